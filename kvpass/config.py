@@ -1,0 +1,76 @@
+"""Settings of the kv4 backend: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+SUPPORTED_BITS = (2, 4, 8)
+SCHEMES = ("channel", "token")
+INNER_COMPILERS = ("eager", "aot_eager", "inductor")
+
+
+def _check_choice(name, value, accepted):
+    if value not in accepted:
+        raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one of K or V is stored.
+
+    ``scheme="token"`` groups ``group`` consecutive channels of one token (scale shape
+    ``[B, H, S, D // group]``). ``scheme="channel"`` groups ``group`` consecutive tokens
+    of one channel (scale shape ``[B, H, S // group, D]``); tokens of a group that is not
+    full yet wait in an unquantized residual.
+    """
+
+    bits: int = 4
+    scheme: Literal["channel", "token"] = "token"
+    group: int = 128
+    # Orthogonal Hadamard rotation of the head dimension before quantization: spreads
+    # channel outliers over all channels, so per-token groups see a flatter distribution.
+    rotate: bool = False
+
+    def __post_init__(self):
+        _check_choice("bits", self.bits, SUPPORTED_BITS)
+        _check_choice("scheme", self.scheme, SCHEMES)
+        if not isinstance(self.group, int) or self.group < 2 or self.group & (self.group - 1):
+            raise ValueError(f"group must be a power of two >= 2, got {self.group!r}")
+        if not isinstance(self.rotate, bool):
+            raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
+
+    @property
+    def qmax(self) -> int:
+        """Largest code magnitude of the symmetric grid: 7 for int4."""
+        return 2 ** (self.bits - 1) - 1
+
+    def token_group(self, head_dim: int) -> int:
+        """Channel-group size for a per-token scheme, clipped to the head dimension."""
+        group = min(self.group, head_dim)
+        if head_dim % group:
+            raise ValueError(
+                f"head_dim {head_dim} is not a multiple of the V/K channel group {group}; "
+                f"use a group that divides {head_dim}"
+            )
+        return group
+
+
+@dataclasses.dataclass(frozen=True)
+class KVConfig:
+    """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
+
+    k: QuantSpec = QuantSpec(bits=4, scheme="channel", group=64)
+    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=128)
+    inner: str = "eager"
+    # Log the graph diff and site table for every compiled graph; a folder also saves them.
+    debug: bool = False
+    debug_dir: str | None = None
+
+    def __post_init__(self):
+        _check_choice("inner", self.inner, INNER_COMPILERS)
+        if self.v.scheme == "channel":
+            raise ValueError(
+                "v_scheme='channel' is not supported: V has no channel outliers and "
+                "per-token groups keep the attention output exact per token; use 'token'"
+            )

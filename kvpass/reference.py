@@ -1,0 +1,275 @@
+"""Reference numerics: the specification every kernel is tested against.
+
+Symmetric group quantization, ``bits`` in {2, 4, 8}:
+
+* per group ``scale = fp16(amax / qmax)`` (``qmax = 7`` for int4), and
+  ``code = clamp(round(x / scale), -qmax, qmax)``, both with the fp16-rounded scale;
+* codes are stored offset by ``2**(bits-1)`` as unsigned fields, ``8 // bits`` per byte,
+  lowest field first, packed along the head dimension;
+* an all-zero group has scale 0 and decodes to exact zeros;
+* a group whose ``amax / qmax`` underflows fp16 (``amax < 7 * 2**-25`` for int4) is
+  flushed to zero: the error is still below the group's ``amax``;
+* a group holding NaN or +-inf gets a NaN scale and decodes to all-NaN, so a non-finite
+  input is never hidden behind finite numbers (no host sync is needed to detect it).
+
+The error of every finite element is at most ``scale / 2`` plus the fp16 rounding of the
+scale (:func:`error_bound`).
+
+Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the group):
+
+* codes, both schemes: ``uint8 [B, H, S, D * bits // 8]``
+* scales, ``scheme="token"``: ``fp16 [B, H, S, D // g]``
+* scales, ``scheme="channel"``: ``fp16 [B, H, S // g, D]`` (S a multiple of g)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kvpass.config import QuantSpec
+
+SCALE_DTYPE = torch.float16
+
+
+# --- packing ---------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed integer codes ``[..., D]`` -> ``uint8 [..., D * bits // 8]``."""
+    per_byte = 8 // bits
+    if codes.shape[-1] % per_byte:
+        raise ValueError(f"head_dim {codes.shape[-1]} must be a multiple of {per_byte} to pack {bits}-bit codes")
+    unsigned = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    fields = unsigned.unflatten(-1, (-1, per_byte))
+    packed = torch.zeros(fields.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per_byte):
+        packed |= fields[..., i] << (bits * i)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``uint8 [..., D * bits // 8]`` -> signed ``int8 [..., D]``."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    fields = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    unsigned = torch.stack(fields, dim=-1).flatten(-2)
+    return (unsigned.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+# --- scales ----------------------------------------------------------------------------
+
+
+def _group_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    scale = (amax.float() / qmax).to(SCALE_DTYPE)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def _codes_from(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    safe = torch.where((scale == 0) | scale.isnan(), torch.ones_like(scale), scale).float()
+    return torch.clamp(torch.round(x.float() / safe), -qmax, qmax).to(torch.int8)
+
+
+def error_bound(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Largest |x - dequantize(quantize(x))| for a finite element of a group with ``scale``.
+
+    Round-to-nearest gives ``scale / 2``; rounding ``amax / qmax`` to fp16 can push ``amax``
+    up to ``qmax * ulp(scale) / 2`` past the top code, which then clamps. A flushed group
+    (scale 0) has ``amax / qmax`` below half the smallest fp16 subnormal.
+    """
+    scale = scale.float()
+    ulp = torch.where(
+        scale > 0,
+        torch.exp2(torch.floor(torch.log2(scale.clamp_min(2.0**-24))) - 10).clamp_min(2.0**-24),
+        torch.full_like(scale, 2.0**-24),
+    )
+    return scale / 2 + spec.qmax * ulp / 2
+
+
+# --- rotation --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    if n & (n - 1):
+        raise ValueError(f"rotate=True needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).float()
+
+
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """Orthonormal, symmetric ``n x n`` Hadamard matrix (its own inverse), float32."""
+    return _hadamard_cpu(n).to(device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` along the last dimension; applying it twice is the identity."""
+    return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
+
+
+# --- quantize / dequantize -------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, H, S, D]`` -> ``(codes, scales)`` in the layout of the module docstring.
+
+    Rotation is not applied here (see :func:`encode`).
+    """
+    B, H, S, D = x.shape
+    qmax = spec.qmax
+    if spec.scheme == "token":
+        g = spec.token_group(D)
+        groups = x.reshape(B, H, S, D // g, g)
+        scale = _group_scale(groups.abs().amax(-1), qmax)
+        codes = _codes_from(groups, scale[..., None], qmax).reshape(B, H, S, D)
+    else:
+        g = spec.group
+        if S % g:
+            raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
+        groups = x.reshape(B, H, S // g, g, D)
+        scale = _group_scale(groups.abs().amax(3), qmax)
+        codes = _codes_from(groups, scale[:, :, :, None, :], qmax).reshape(B, H, S, D)
+    return pack_codes(codes, spec.bits), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize` (up to the quantization error), ``[B, H, S, D]``."""
+    q = unpack_codes(codes, spec.bits).float()
+    B, H, S, D = q.shape
+    if spec.scheme == "token":
+        g = D // scales.shape[-1]
+        x = q.reshape(B, H, S, D // g, g) * scales.float()[..., None]
+    else:
+        g = spec.group
+        x = q.reshape(B, H, S // g, g, D) * scales.float()[:, :, :, None, :]
+    return x.reshape(B, H, S, D).to(dtype)
+
+
+def encode(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored form of ``x``: rotated first when ``spec.rotate``, then quantized."""
+    return quantize(rotate(x) if spec.rotate else x, spec)
+
+
+def decode(codes, scales, residual, spec: QuantSpec, dtype) -> torch.Tensor:
+    """Logical tensor of a stored cache: dequantized codes, then the residual, unrotated."""
+    x = torch.cat([dequantize(codes, scales, spec, torch.float32), residual.float()], dim=-2)
+    return (rotate(x) if spec.rotate else x).to(dtype)
+
+
+def quantize_dequantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """What a cache built from ``x`` in one go would give back; whole groups only for channel."""
+    B, H, S, D = x.shape
+    stored = rotate(x) if spec.rotate else x
+    n_quant = S - S % spec.group if spec.scheme == "channel" else S
+    codes, scales = quantize(stored[:, :, :n_quant], spec)
+    return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype)
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+def _block_tokens(k_spec: QuantSpec, v_spec: QuantSpec, target: int = 256) -> int:
+    # Blocks hold whole per-channel groups so each block dequantizes independently.
+    groups = [s.group for s in (k_spec, v_spec) if s.scheme == "channel"]
+    step = max(groups, default=1)
+    return max(step, target - target % step)
+
+
+def attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    k_residual: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    v_residual: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    k_spec: QuantSpec,
+    v_spec: QuantSpec,
+) -> torch.Tensor:
+    """SDPA of ``q`` over ``[stored past, new]`` without materialising the fp past.
+
+    ``q [B, Hq, T, D]``; the stored past (codes/scales/residual of K and V, layouts above)
+    holds ``P`` tokens; ``k_new``/``v_new [B, Hkv, T_new, D]`` are the exact new tokens.
+    ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``attn_mask`` broadcasts to
+    ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
+    top-left causal mask over the ``P + T_new`` keys. The past is dequantized one block of
+    tokens at a time with an online softmax, so memory is O(block), not O(P).
+    """
+    B, Hq, T, D = q.shape
+    Hkv, Dv = v_new.shape[1], v_new.shape[-1]
+    rep = Hq // Hkv
+    n_quant_k = k_codes.shape[2]
+    n_quant_v = v_codes.shape[2]
+    past = n_quant_k + k_residual.shape[2]
+    total = past + k_new.shape[2]
+
+    # Scores are invariant under rotating q and k by the same orthogonal matrix, and the
+    # rotated V's output is rotated back once at the end.
+    qf = q.float().reshape(B, Hkv, rep * T, D)
+    q_stored = rotate(qf) if k_spec.rotate else qf
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(B, Hq, T, total).reshape(B, Hkv, rep * T, total)
+    rows = torch.arange(T, device=q.device).repeat(rep)[:, None]
+
+    m = torch.full((B, Hkv, rep * T, 1), float("-inf"), device=q.device)
+    denom = torch.zeros_like(m)
+    acc_stored = torch.zeros(B, Hkv, rep * T, Dv, device=q.device)
+    acc_plain = torch.zeros_like(acc_stored)
+
+    def visit(k_blk, v_blk, q_blk, start, acc):
+        nonlocal m, denom
+        s = (q_blk @ k_blk.float().transpose(-1, -2)) * scale
+        cols = torch.arange(start, start + k_blk.shape[2], device=q.device)[None, :]
+        if is_causal:
+            s = s.masked_fill(cols > rows, float("-inf"))
+        if attn_mask is not None:
+            blk_mask = attn_mask[..., start : start + k_blk.shape[2]]
+            s = s.masked_fill(~blk_mask, float("-inf")) if blk_mask.dtype == torch.bool else s + blk_mask.float()
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        # A row that has seen only -inf so far keeps m = -inf; exp(-inf - -inf) would be NaN.
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe)
+        correction = torch.exp(m - m_safe)
+        denom = denom * correction + p.sum(-1, keepdim=True)
+        acc_stored.mul_(correction)
+        acc_plain.mul_(correction)
+        acc.add_(p @ v_blk.float())
+        m = m_new
+
+    block = _block_tokens(k_spec, v_spec)
+    for start in range(0, past, block):
+        stop = min(start + block, past)
+        k_blk = _stored_block(k_codes, k_scales, k_residual, k_spec, n_quant_k, start, stop)
+        v_blk = _stored_block(v_codes, v_scales, v_residual, v_spec, n_quant_v, start, stop)
+        visit(k_blk, v_blk, q_stored, start, acc_stored)
+    if k_new.shape[2]:
+        visit(k_new, v_new, qf, past, acc_plain)
+
+    out_stored = rotate(acc_stored) if v_spec.rotate else acc_stored
+    out = (out_stored + acc_plain) / denom
+    return out.reshape(B, Hq, T, Dv).to(q.dtype)
+
+
+def _stored_block(codes, scales, residual, spec, n_quant, start, stop):
+    """Tokens ``[start, stop)`` of a stored cache, dequantized (still in the stored domain)."""
+    parts = []
+    if start < n_quant:
+        q_stop = min(stop, n_quant)
+        if spec.scheme == "channel":
+            g = spec.group
+            blk_scales = scales[:, :, start // g : q_stop // g]
+        else:
+            blk_scales = scales[:, :, start:q_stop]
+        parts.append(dequantize(codes[:, :, start:q_stop], blk_scales, spec))
+    if stop > n_quant:
+        parts.append(residual[:, :, max(start - n_quant, 0) : stop - n_quant].float())
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
