@@ -1,1 +1,11 @@
-"""kvpass: int4 KV caches for Hugging Face causal LMs through ``torch.compile(backend="kv4")``."""
+"""kvpass: int4 KV caches for Hugging Face causal LMs through ``torch.compile(backend="kv4")``.
+
+``model.compile(backend="kv4")`` needs no import of this package (the backend is an entry
+point); import it for non-default settings: ``torch.compile(model, backend=kvpass.kv4(...))``.
+"""
+
+from kvpass.backend import default_backend, kv4
+from kvpass.config import KVConfig, QuantSpec
+from kvpass.packed import PackedKV
+
+__all__ = ["KVConfig", "PackedKV", "QuantSpec", "default_backend", "kv4"]

@@ -41,6 +41,16 @@ class QuantSpec:
             raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
 
     @property
+    def tag(self) -> str:
+        """Compact, parseable name used in rewritten graphs: ``int4:channel:64[:rot]``."""
+        return f"int{self.bits}:{self.scheme}:{self.group}" + (":rot" if self.rotate else "")
+
+    @classmethod
+    def from_tag(cls, tag: str) -> QuantSpec:
+        bits, scheme, group, *rot = tag.split(":")
+        return cls(int(bits.removeprefix("int")), scheme, int(group), rotate=rot == ["rot"])
+
+    @property
     def qmax(self) -> int:
         """Largest code magnitude of the symmetric grid: 7 for int4."""
         return 2 ** (self.bits - 1) - 1

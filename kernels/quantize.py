@@ -1,0 +1,213 @@
+"""Group quantization of ``x [B, H, S, D]`` into packed codes and fp16 scales.
+
+Bit-exact with :func:`kvpass.reference.quantize`: same fp32 division (correctly rounded,
+not the approximate division Triton emits for ``/``), same fp16 scale rounding, same
+round-half-to-even, same codes for non-finite groups.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpass.config import QuantSpec
+
+SCALE_DTYPE = torch.float16
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest
+# integer, ties to even: torch.round's rule, with no libdevice call (the interpreter and
+# every backend agree on it).
+_ROUND_MAGIC = 12582912.0
+
+
+@triton.jit
+def _div_rn(a, b):
+    # Triton lowers fp32 "/" to an approximate division on NVIDIA GPUs; the reference divides
+    # exactly, and one ulp decides a rounding tie.
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _scale_from(amax, non_finite, QMAX: tl.constexpr):
+    scale = _div_rn(amax, QMAX * 1.0).to(tl.float16)
+    return tl.where(non_finite, float("nan"), scale)
+
+
+@triton.jit
+def _codes_from(x, scale, QMAX: tl.constexpr):
+    scale = scale.to(tl.float32)
+    safe = tl.where((scale == 0) | (scale != scale), 1.0, scale)
+    y = _div_rn(x, safe)
+    # Clamping before rounding equals rounding before clamping (QMAX is an integer) and keeps
+    # inf inside the range where the magic-number rounding is exact. NaN -> 0, as
+    # torch's NaN-to-int8 conversion gives.
+    y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
+    y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+    return tl.where(x != x, 0, y.to(tl.int32))
+
+
+@triton.jit
+def _pack(codes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
+    """Signed codes ``[ROWS, BLOCK_D]`` -> unsigned fields, ``8 // BITS`` per byte, lowest first."""
+    PER_BYTE: tl.constexpr = 8 // BITS
+    unsigned = codes + (1 << (BITS - 1))
+    fields = tl.reshape(unsigned, [ROWS, BLOCK_D // PER_BYTE, PER_BYTE])
+    shifts = tl.arange(0, PER_BYTE) * BITS
+    # Disjoint bit fields: their sum is their bitwise or.
+    return tl.sum(fields << shifts[None, None, :], axis=2).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_token_kernel(
+    X, stride_xb, stride_xh, stride_xs, stride_xd,
+    C, stride_cb, stride_ch, stride_cs, stride_cd,
+    SC, stride_sb, stride_sh, stride_ss, stride_sg,
+    H, S, D,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    PER_BYTE: tl.constexpr = 8 // BITS
+    N_GROUPS: tl.constexpr = BLOCK_D // GROUP
+
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_s < S
+    x = tl.load(
+        X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :] * stride_xd,
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(tl.float32)
+
+    groups = tl.reshape(x, [BLOCK_S, N_GROUPS, GROUP])
+    amax = tl.max(tl.abs(groups), axis=2)
+    # tl.max may drop NaN (GPU max.f32 does), so non-finite groups are found separately.
+    non_finite = tl.max(((groups != groups) | (tl.abs(groups) == float("inf"))).to(tl.int32), axis=2) > 0
+    scale = _scale_from(amax, non_finite, QMAX)
+    offs_g = tl.arange(0, N_GROUPS)
+    tl.store(
+        SC + b * stride_sb + h * stride_sh + offs_s[:, None] * stride_ss + offs_g[None, :] * stride_sg,
+        scale,
+        mask=row_ok[:, None] & (offs_g[None, :] < D // GROUP),
+    )
+
+    scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+    packed = _pack(_codes_from(x, scale_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS)
+    offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
+    tl.store(
+        C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
+        packed,
+        mask=row_ok[:, None] & (offs_byte[None, :] < D // PER_BYTE),
+    )
+
+
+@triton.jit
+def _quantize_channel_kernel(
+    X, stride_xb, stride_xh, stride_xs, stride_xd,
+    C, stride_cb, stride_ch, stride_cs, stride_cd,
+    SC, stride_sb, stride_sh, stride_ss, stride_sd,
+    H, D,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    group_idx = tl.program_id(1)
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    PER_BYTE: tl.constexpr = 8 // BITS
+
+    offs_s = group_idx * GROUP + tl.arange(0, GROUP)
+    offs_d = tl.arange(0, BLOCK_D)
+    x = tl.load(
+        X + b * stride_xb + h * stride_xh + offs_s[:, None] * stride_xs + offs_d[None, :] * stride_xd,
+        mask=offs_d[None, :] < D,
+        other=0.0,
+    ).to(tl.float32)
+
+    amax = tl.max(tl.abs(x), axis=0)
+    non_finite = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0) > 0
+    scale = _scale_from(amax, non_finite, QMAX)
+    tl.store(SC + b * stride_sb + h * stride_sh + group_idx * stride_ss + offs_d * stride_sd, scale, mask=offs_d < D)
+
+    packed = _pack(_codes_from(x, scale[None, :], QMAX), GROUP, BLOCK_D, BITS)
+    offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
+    tl.store(
+        C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
+        packed,
+        mask=offs_byte[None, :] < D // PER_BYTE,
+    )
+
+
+def output_shapes(x_shape, spec: QuantSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of ``(codes, scales)`` for an input of ``x_shape``, as the reference lays them out."""
+    B, H, S, D = x_shape
+    codes_shape = (B, H, S, D * spec.bits // 8)
+    if spec.scheme == "token":
+        return codes_shape, (B, H, S, D // spec.token_group(D))
+    return codes_shape, (B, H, S // spec.group, D)
+
+
+def _check_out(name, tensor, shape, dtype, device):
+    if tuple(tensor.shape) != shape or tensor.dtype != dtype or tensor.device != device:
+        raise ValueError(
+            f"out {name} must be {dtype} {list(shape)} on {device}, "
+            f"got {tensor.dtype} {list(tensor.shape)} on {tensor.device}"
+        )
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, H, S, D]`` -> ``(codes uint8, scales fp16)`` exactly as :func:`kvpass.reference.quantize`.
+
+    ``x`` may have any strides. ``out`` (any strides, e.g. a slice of a preallocated cache)
+    receives the result in place of new tensors. Rotation is not applied here.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, H, S, D], got shape {list(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"x dtype must be one of {INPUT_DTYPES}, got {x.dtype}")
+    B, H, S, D = x.shape
+    per_byte = 8 // spec.bits
+    if D % per_byte:
+        raise ValueError(f"head_dim {D} must be a multiple of {per_byte} to pack {spec.bits}-bit codes")
+    if spec.scheme == "channel" and S % spec.group:
+        raise ValueError(f"per-channel quantization needs whole groups of {spec.group} tokens, got {S} tokens")
+    codes_shape, scales_shape = output_shapes(x.shape, spec)
+    if out is None:
+        codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(scales_shape, dtype=SCALE_DTYPE, device=x.device)
+    else:
+        codes, scales = out
+        _check_out("codes", codes, codes_shape, torch.uint8, x.device)
+        _check_out("scales", scales, scales_shape, SCALE_DTYPE, x.device)
+    if codes.numel() == 0:
+        return codes, scales
+
+    block_d = triton.next_power_of_2(D)
+    if spec.scheme == "token":
+        group = spec.token_group(D)
+        # About 4K elements per program: enough rows to hide latency at head_dim 64-256.
+        block_s = min(triton.next_power_of_2(S), max(1, 4096 // block_d))
+        grid = (B * H, triton.cdiv(S, block_s))
+        _quantize_token_kernel[grid](
+            x, *x.stride(), codes, *codes.stride(), scales, *scales.stride(),
+            H, S, D,
+            BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d,
+        )
+    else:
+        grid = (B * H, S // spec.group)
+        _quantize_channel_kernel[grid](
+            x, *x.stride(), codes, *codes.stride(), scales, *scales.stride(),
+            H, D,
+            BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d,
+        )
+    return codes, scales

@@ -1,0 +1,92 @@
+"""The ``kv4`` Dynamo backend: the kv4 rewrite composed with an inner compiler."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from kvpass import debug, passes
+from kvpass.config import KVConfig, QuantSpec
+
+log = logging.getLogger("kvpass")
+
+_graph_ids = itertools.count()
+
+
+def rewrite_then(inner_compiler, config: KVConfig):
+    """A Dynamo backend: rewrite attention sites of each graph, then hand it to ``inner_compiler``.
+
+    The returned callable keeps every graph's site reports in ``.reports`` as
+    ``(graph_name, [SiteReport, ...])``.
+    """
+
+    def kv4_compiler(gm: torch.fx.GraphModule, example_inputs):
+        name = f"graph_{next(_graph_ids)}"
+        show = debug.debug_requested(config.debug)
+        before = debug.normalize_graph_code(gm) if show else None
+        reports = passes.rewrite(gm, config)
+        kv4_compiler.reports.append((name, reports))
+        for r in reports:
+            if not r.rewritten:
+                log.info("kvpass: %s site %d (%s) stays fp16: %s", name, r.index, r.module, r.reason)
+        if show:
+            debug.report(name, before, debug.normalize_graph_code(gm), reports, config.debug_dir)
+        return inner_compiler(gm, example_inputs)
+
+    kv4_compiler.reports = []
+    kv4_compiler.config = config
+    return kv4_compiler
+
+
+def _inner(name: str):
+    if name == "eager":
+        return lambda gm, example_inputs: gm.forward
+    return lookup_backend(name)
+
+
+def kv4(
+    *,
+    bits: int = 4,
+    k_scheme: str = "channel",
+    k_group: int = 64,
+    k_rotate: bool = False,
+    v_scheme: str = "token",
+    v_group: int = 128,
+    v_rotate: bool = False,
+    k_bits: int | None = None,
+    v_bits: int | None = None,
+    inner: str = "eager",
+    debug: bool = False,
+    debug_dir: str | None = None,
+):
+    """A kv4 backend with non-default settings, for ``torch.compile(model, backend=kv4(...))``.
+
+    ``bits`` sets both K and V unless ``k_bits``/``v_bits`` say otherwise. ``inner`` is the
+    compiler the rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"``
+    or ``"inductor"``. ``debug`` logs each graph's diff and site table through the
+    ``kvpass`` logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
+    Raises ``ValueError`` naming any setting outside what is accepted.
+    """
+    config = KVConfig(
+        k=QuantSpec(bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate),
+        v=QuantSpec(bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate),
+        inner=inner,
+        debug=debug,
+        debug_dir=debug_dir,
+    )
+    return rewrite_then(_inner(config.inner), config)
+
+
+def kv4_backend(gm: torch.fx.GraphModule, example_inputs):
+    """``backend="kv4"``: the default settings (registered as a ``torch_dynamo_backends`` entry point)."""
+    return default_backend()(gm, example_inputs)
+
+
+@functools.cache
+def default_backend():
+    """The compiler behind ``backend="kv4"``; its ``.reports`` list every graph it rewrote."""
+    return kv4()

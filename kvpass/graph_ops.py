@@ -1,0 +1,59 @@
+"""The calls a rewritten graph makes: thin wrappers from PackedKV to the ``kv4::`` ops.
+
+They take quantization specs as tags (``"int4:channel:64"``) so a rewritten graph prints
+readably and holds no Python objects as constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kvpass import ops
+from kvpass.config import QuantSpec
+from kvpass.packed import PackedKV
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(tag: str) -> QuantSpec:
+    return QuantSpec.from_tag(tag)
+
+
+def _as_packed(past: torch.Tensor, spec: QuantSpec) -> PackedKV:
+    # A cache filled outside kvpass arrives as plain floats: quantize it once, here.
+    return past if isinstance(past, PackedKV) else PackedKV.from_float(past, spec)
+
+
+def kv4_pack(new: torch.Tensor, spec: str) -> PackedKV:
+    """The first write into an empty cache."""
+    return PackedKV.from_float(new, _spec(spec))
+
+
+def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:
+    """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4."""
+    return _as_packed(past, _spec(spec)).append(new)
+
+
+def kv4_sdpa(
+    q: torch.Tensor,
+    past_k: torch.Tensor,
+    k_new: torch.Tensor,
+    past_v: torch.Tensor,
+    v_new: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    k_spec: str,
+    v_spec: str,
+) -> torch.Tensor:
+    """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored."""
+    k_spec_, v_spec_ = _spec(k_spec), _spec(v_spec)
+    k, v = _as_packed(past_k, k_spec_), _as_packed(past_v, v_spec_)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return ops.attention(
+        q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, scale, is_causal,
+        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_),
+    )  # fmt: skip

@@ -1,0 +1,133 @@
+"""The ``kv4::`` custom ops: the only places where KV numerics run.
+
+One op name per operation for every device: the FX pass emits these and never branches
+on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
+``kvpass.kernels`` when Triton is importable, else the same reference.
+
+A :class:`~kvpass.config.QuantSpec` crosses the op boundary as four scalars
+(``bits, scheme, group, rotate``) because custom-op schemas take no dataclasses.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from kvpass import reference
+from kvpass.config import QuantSpec
+
+log = logging.getLogger("kvpass")
+
+
+def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool]:
+    return spec.bits, spec.scheme, spec.group, spec.rotate
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    try:
+        from kvpass import kernels
+
+        kernels.quantize, kernels.attention  # noqa: B018 - fail here if the launchers are absent
+        return kernels
+    except (ImportError, AttributeError) as err:
+        log.warning("kvpass: Triton kernels unavailable (%s); CUDA tensors use the torch reference", err)
+        return None
+
+
+# --- quantize --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kv4::quantize", mutates_args=())
+def quantize(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`)."""
+    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate))
+
+
+@quantize.register_fake
+def _(x, bits, scheme, group, rotate):
+    B, H, S, D = x.shape
+    codes = x.new_empty((B, H, S, D * bits // 8), dtype=torch.uint8)
+    if scheme == "token":
+        g = QuantSpec(bits, scheme, group, rotate).token_group(D)
+        scales = x.new_empty((B, H, S, D // g), dtype=reference.SCALE_DTYPE)
+    else:
+        scales = x.new_empty((B, H, S // group, D), dtype=reference.SCALE_DTYPE)
+    return codes, scales
+
+
+@quantize.register_kernel("cuda")
+def _(x, bits, scheme, group, rotate):
+    kernels = _triton_kernels()
+    spec = QuantSpec(bits, scheme, group, rotate)
+    if kernels is None:
+        return reference.encode(x.contiguous(), spec)
+    return kernels.quantize(reference.rotate(x) if rotate else x, spec)
+
+
+# --- dequantize ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kv4::dequantize", mutates_args=())
+def dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool
+) -> torch.Tensor:
+    """The whole logical ``[B, H, S, D]`` tensor; used only off the hot path."""
+    return reference.decode(codes, scales, residual, QuantSpec(bits, scheme, group, rotate), residual.dtype)
+
+
+@dequantize.register_fake
+def _(codes, scales, residual, bits, scheme, group, rotate):
+    B, H, S, _ = codes.shape
+    return residual.new_empty((B, H, S + residual.shape[2], residual.shape[3]))
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kv4::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    k_residual: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    v_residual: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool,
+    k_bits: int,
+    k_scheme: str,
+    k_group: int,
+    k_rotate: bool,
+    v_bits: int,
+    v_scheme: str,
+    v_group: int,
+    v_rotate: bool,
+) -> torch.Tensor:
+    """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`."""
+    return reference.attention(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
+        QuantSpec(k_bits, k_scheme, k_group, k_rotate), QuantSpec(v_bits, v_scheme, v_group, v_rotate),
+    )  # fmt: skip
+
+
+@attention.register_fake
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *spec):
+    return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
+
+
+@attention.register_kernel("cuda")
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *spec):
+    k_spec, v_spec = QuantSpec(*spec[:4]), QuantSpec(*spec[4:])
+    kernels = _triton_kernels()
+    run = kernels.attention if kernels is not None else reference.attention
+    return run(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
+        k_spec, v_spec,
+    )  # fmt: skip

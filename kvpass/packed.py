@@ -1,0 +1,292 @@
+"""``PackedKV``: one layer's K or V cache, stored in int4, shaped like the fp cache it replaces."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from kvpass import ops
+from kvpass.config import QuantSpec
+
+log = logging.getLogger("kvpass")
+aten = torch.ops.aten
+
+# aten op -> implementation(func, args, kwargs). Everything else goes through _fallback.
+_IMPLEMENTATIONS = {}
+_warned_fallback_ops = set()
+
+
+def _implements(*aten_ops):
+    def register(fn):
+        for op in aten_ops:
+            _IMPLEMENTATIONS[op] = fn
+        return fn
+
+    return register
+
+
+class PackedKV(torch.Tensor):
+    """A quantized KV cache tensor of logical shape ``[B, H, S, D]`` and float dtype.
+
+    HF cache code sees an ordinary ``[B, H, S, D]`` tensor (``.shape``, ``cat`` along the
+    sequence, batch indexing for beam search, sequence slicing for ``crop``); the storage is
+
+    * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D;
+    * ``scales``: ``fp16 [B, H, S_q, D // g]`` (``scheme="token"``) or
+      ``fp16 [B, H, S_q // g, D]`` (``scheme="channel"``);
+    * ``residual``: ``[B, H, S - S_q, D]`` in the logical dtype: tokens of a per-channel
+      group that is not full yet (always empty for ``scheme="token"``).
+
+    All three live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
+    Build one with :meth:`from_float`.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    residual: torch.Tensor
+    spec: QuantSpec
+
+    @staticmethod
+    def __new__(cls, codes, scales, residual, spec, shape=None):
+        if shape is None:
+            B, H, S_q, _ = codes.shape
+            shape = (B, H, S_q + residual.shape[2], residual.shape[3])
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=residual.dtype, device=codes.device, requires_grad=False
+        )
+
+    def __init__(self, codes, scales, residual, spec, shape=None):
+        self.codes = codes
+        self.scales = scales
+        self.residual = residual
+        self.spec = spec
+
+    @classmethod
+    def from_float(cls, x: torch.Tensor, spec: QuantSpec) -> PackedKV:
+        """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized."""
+        if x.dim() != 4:
+            raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
+        return _empty_like(x, spec).append(x)
+
+    def append(self, new: torch.Tensor) -> PackedKV:
+        """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
+        stored = _rotate(new, self.spec)
+        if self.spec.scheme == "token":
+            codes, scales = ops.quantize(new.to(self.dtype), *ops.spec_args(self.spec))
+            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), self.residual, self.spec)
+        # Residual tokens join the new ones; every whole group among them is quantized now.
+        # Floor division instead of a branch keeps symbolic lengths free of guards.
+        pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
+        n_full = pending.shape[2] // self.spec.group * self.spec.group
+        codes, scales = ops.quantize(pending[:, :, :n_full], *ops.spec_args(_unrotated(self.spec)))
+        return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), pending[:, :, n_full:], self.spec)
+
+    def dequantize(self) -> torch.Tensor:
+        """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
+        return ops.dequantize(self.codes, self.scales, self.residual, *ops.spec_args(self.spec))
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.residual))
+
+    def __repr__(self):
+        return (
+            f"PackedKV(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.bits}-bit {self.spec.scheme} "
+            f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}, residual={self.residual.shape[2]})"
+        )
+
+    # --- tracing ------------------------------------------------------------------------
+
+    def __tensor_flatten__(self):
+        return ["codes", "scales", "residual"], self.spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size)
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild, (self.codes, self.scales, self.residual, self.spec)
+
+    # Torch functions reach __torch_dispatch__ as aten ops, where the table below applies.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = _IMPLEMENTATIONS.get(func)
+        if impl is not None:
+            result = impl(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        return _fallback(func, args, kwargs)
+
+
+def _rebuild(codes, scales, residual, spec):
+    return PackedKV(codes, scales, residual, spec)
+
+
+torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
+
+
+def _unrotated(spec: QuantSpec) -> QuantSpec:
+    # The residual is already in the rotated domain, so quantizing it must not rotate again.
+    return QuantSpec(spec.bits, spec.scheme, spec.group, rotate=False)
+
+
+def _rotate(x, spec):
+    if not spec.rotate or spec.scheme == "token":
+        return x  # per-token: kv4::quantize rotates as it quantizes
+    from kvpass.reference import rotate
+
+    return rotate(x)
+
+
+def _cat(a, b):
+    return torch.cat([a, b], dim=2)
+
+
+def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
+    B, H, _, D = x.shape
+    codes, scales = ops.quantize(x[:, :, :0], *ops.spec_args(spec))
+    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec)
+
+
+def _map_inner(t: PackedKV, fn) -> PackedKV:
+    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec)
+
+
+def _seq_dim(dim: int, ndim: int = 4) -> bool:
+    return dim % ndim == 2
+
+
+# --- supported ops ------------------------------------------------------------------------
+
+
+@_implements(aten.cat.default)
+def _cat_impl(func, args, kwargs):
+    tensors = list(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not _seq_dim(dim) or not isinstance(tensors[0], PackedKV):
+        return NotImplemented
+    head, *rest = tensors
+    if any(isinstance(t, PackedKV) for t in rest):
+        return NotImplemented
+    # HF's first update concatenates onto an empty 1-D tensor; skip those.
+    rest = [t for t in rest if t.dim() == 4]
+    return head.append(torch.cat(rest, dim=2)) if rest else head
+
+
+@_implements(aten.index_select.default)
+def _index_select_impl(func, args, kwargs):
+    t, dim, index = args
+    if dim % 4 != 0:
+        return NotImplemented
+    return _map_inner(t, lambda x: x.index_select(0, index))
+
+
+@_implements(aten.index.Tensor)
+def _index_impl(func, args, kwargs):
+    t, indices = args
+    # Only `cache[batch_indices]` (beam search, batch_select_indices) is native.
+    if len(indices) != 1 or indices[0] is None:
+        return NotImplemented
+    return _map_inner(t, lambda x: x[indices[0]])
+
+
+@_implements(aten.repeat_interleave.self_int)
+def _repeat_interleave_impl(func, args, kwargs):
+    t, repeats = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is None or dim % 4 != 0:
+        return NotImplemented
+    return _map_inner(t, lambda x: x.repeat_interleave(repeats, dim=0))
+
+
+@_implements(aten.slice.Tensor)
+def _slice_impl(func, args, kwargs):
+    t, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]
+    if step != 1:
+        return NotImplemented
+    if dim % 4 == 0:
+        return _map_inner(t, lambda x: x[start:end])
+    if not _seq_dim(dim):
+        return NotImplemented
+    start, end, _ = slice(start, end).indices(t.shape[2])
+    if start != 0:
+        return NotImplemented
+    return _crop(t, end)
+
+
+def _crop(t: PackedKV, length: int) -> PackedKV:
+    """The first ``length`` tokens (``DynamicCache.crop``)."""
+    n_quant = t.codes.shape[2]
+    if length >= n_quant:
+        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec)
+    if t.spec.scheme == "token":
+        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec)
+    # A per-channel group cut in two: its surviving tokens go back to the residual, with
+    # the values they had (dequantized), so no token changes value.
+    g = t.spec.group
+    keep = length // g * g
+    cut = PackedKV(t.codes[:, :, keep : keep + g], t.scales[:, :, keep // g : keep // g + 1], t.residual[:, :, :0], t.spec)
+    tail = _stored(cut)[:, :, : length - keep]
+    return PackedKV(t.codes[:, :, :keep], t.scales[:, :, : keep // g], tail, t.spec)
+
+
+def _stored(t: PackedKV) -> torch.Tensor:
+    """The cache's values in the stored (possibly rotated) domain."""
+    return ops.dequantize(t.codes, t.scales, t.residual, *ops.spec_args(_unrotated(t.spec)))
+
+
+@_implements(aten._to_copy.default)
+def _to_copy_impl(func, args, kwargs):
+    (t,) = args
+    if set(kwargs) - {"device", "dtype", "non_blocking", "layout", "copy"}:
+        return NotImplemented
+    device = kwargs.get("device", t.device)
+    dtype = kwargs.get("dtype", t.dtype)
+    moved = _map_inner(t, lambda x: x.to(device=device, non_blocking=kwargs.get("non_blocking", False)))
+    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec)
+
+
+@_implements(aten.detach.default, aten.clone.default, aten.alias.default)
+def _elementwise_identity_impl(func, args, kwargs):
+    t = args[0]
+    if func is aten.clone.default:
+        return _map_inner(t, torch.clone)
+    return return_and_correct_aliasing(func, args, kwargs, _map_inner(t, func))
+
+
+# --- everything else ----------------------------------------------------------------------
+
+
+def _fallback(func, args, kwargs):
+    """Correct but slow: run ``func`` on dequantized tensors.
+
+    An op that writes into a PackedKV stores its result back quantized, so the cache
+    object the caller holds still sees the write.
+    """
+    name = str(func)
+    tracing = any(isinstance(a, PackedKV) and isinstance(a.codes, FakeTensor) for a in args)
+    if name not in _warned_fallback_ops and not tracing:
+        _warned_fallback_ops.add(name)
+        log.warning("kvpass: %s has no int4 implementation; computing it on the dequantized cache", name)
+
+    def plain(x):
+        return x.dequantize() if isinstance(x, PackedKV) else x
+
+    plain_args, plain_kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs))
+    result = func(*plain_args, **plain_kwargs)
+    for i, schema_arg in enumerate(func._schema.arguments[: len(args)]):
+        target = args[i]
+        if schema_arg.is_write and isinstance(target, PackedKV):
+            # func wrote into the dequantized copy; store that back into the caller's cache.
+            updated = PackedKV.from_float(plain_args[i], target.spec)
+            target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
+            if result is plain_args[i]:
+                result = target
+    return result
