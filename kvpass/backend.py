@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -17,27 +18,40 @@ log = logging.getLogger("kvpass")
 _graph_ids = itertools.count()
 
 
+@dataclasses.dataclass
+class CompiledGraph:
+    """One graph the backend rewrote: its normalised code before and after, and its sites."""
+
+    name: str
+    before: str
+    after: str
+    sites: list[passes.SiteReport]
+
+    @property
+    def diff(self) -> str:
+        return debug.graph_diff(self.before, self.after, self.name)
+
+
 def rewrite_then(inner_compiler, config: KVConfig):
     """A Dynamo backend: rewrite attention sites of each graph, then hand it to ``inner_compiler``.
 
-    The returned callable keeps every graph's site reports in ``.reports`` as
-    ``(graph_name, [SiteReport, ...])``.
+    The returned callable keeps a :class:`CompiledGraph` per graph in ``.graphs``.
     """
 
     def kv4_compiler(gm: torch.fx.GraphModule, example_inputs):
         name = f"graph_{next(_graph_ids)}"
-        show = debug.debug_requested(config.debug)
-        before = debug.normalize_graph_code(gm) if show else None
-        reports = passes.rewrite(gm, config)
-        kv4_compiler.reports.append((name, reports))
-        for r in reports:
-            if not r.rewritten:
-                log.info("kvpass: %s site %d (%s) stays fp16: %s", name, r.index, r.module, r.reason)
-        if show:
-            debug.report(name, before, debug.normalize_graph_code(gm), reports, config.debug_dir)
+        before = debug.normalize_graph_code(gm)
+        sites = passes.rewrite(gm, config)
+        record = CompiledGraph(name, before, debug.normalize_graph_code(gm), sites)
+        kv4_compiler.graphs.append(record)
+        for site in sites:
+            if not site.rewritten:
+                log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
+        if debug.debug_requested(config.debug):
+            debug.report(record.name, record.before, record.after, sites, config.debug_dir)
         return inner_compiler(gm, example_inputs)
 
-    kv4_compiler.reports = []
+    kv4_compiler.graphs = []
     kv4_compiler.config = config
     return kv4_compiler
 
@@ -88,5 +102,5 @@ def kv4_backend(gm: torch.fx.GraphModule, example_inputs):
 
 @functools.cache
 def default_backend():
-    """The compiler behind ``backend="kv4"``; its ``.reports`` list every graph it rewrote."""
+    """The compiler behind ``backend="kv4"``; its ``.graphs`` record every graph it rewrote."""
     return kv4()

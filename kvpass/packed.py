@@ -197,15 +197,6 @@ def _index_impl(func, args, kwargs):
     return _map_inner(t, lambda x: x[indices[0]])
 
 
-@_implements(aten.repeat_interleave.self_int)
-def _repeat_interleave_impl(func, args, kwargs):
-    t, repeats = args[0], args[1]
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    if dim is None or dim % 4 != 0:
-        return NotImplemented
-    return _map_inner(t, lambda x: x.repeat_interleave(repeats, dim=0))
-
-
 @_implements(aten.slice.Tensor)
 def _slice_impl(func, args, kwargs):
     t, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1 :])[:5]

@@ -201,7 +201,8 @@ def attention(
     holds ``P`` tokens; ``k_new``/``v_new [B, Hkv, T_new, D]`` are the exact new tokens.
     ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``attn_mask`` broadcasts to
     ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
-    top-left causal mask over the ``P + T_new`` keys. The past is dequantized one block of
+    top-left causal mask over the ``P + T_new`` keys. A row whose keys are all masked is
+    zero, as in torch's SDPA. The past is dequantized one block of
     tokens at a time with an online softmax, so memory is O(block), not O(P).
     """
     B, Hq, T, D = q.shape
@@ -255,7 +256,8 @@ def attention(
         visit(k_new, v_new, qf, past, acc_plain)
 
     out_stored = rotate(acc_stored) if v_spec.rotate else acc_stored
-    out = (out_stored + acc_plain) / denom
+    # A row with every key masked gives zeros, as torch's SDPA does.
+    out = torch.where(denom > 0, (out_stored + acc_plain) / denom.clamp_min(1e-30), 0.0)
     return out.reshape(B, Hq, T, Dv).to(q.dtype)
 
 

@@ -1,0 +1,497 @@
+"""KV-cache size estimates at fp16, fp8, int8 and kv4 for a model's attention layout.
+
+The cache holds, per sequence, per layer with attention, ``kv_heads * (k_head_dim +
+v_head_dim)`` elements per token. What varies between models is how many layers hold a
+growing cache (hybrid models keep only a fixed-size recurrent/convolution state in the
+others), how many tokens a sliding-window layer keeps, and how many KV heads there are
+(GQA/MQA). Sizes come from a Hugging Face config (a local directory or config.json, a
+``kvpass.models_zoo`` name, or a ``PretrainedConfig``) or from explicit
+``(layers, kv_heads, head_dim)``.
+
+kv4 is costed as the backend stores it: 4-bit codes plus one 16-bit scale per group, K
+grouped over ``k_group`` tokens of one channel and V over ``min(v_group, head_dim)``
+channels of one token. Tokens of a K group that is not full yet wait unquantized; that
+residual (under ``k_group`` tokens per layer) is left out, as it is negligible at the
+context lengths where the cache matters. fp8 and int8 are costed without scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterable, Sequence
+
+from kvpass.config import KVConfig
+
+logger = logging.getLogger("kvpass")
+
+FORMATS = ("fp16", "fp8", "int8", "kv4")
+_FIXED_BITS = {"fp16": 16, "fp8": 8, "int8": 8}
+SCALE_BITS = 16
+# Follow the backend's defaults so the table describes what `kv4()` actually stores.
+K_GROUP = KVConfig().k.group
+V_GROUP = KVConfig().v.group
+
+DEFAULT_CONTEXTS = (4096, 32768, 131072)
+DEFAULT_BATCHES = (1,)
+
+# Layer types as transformers' configs spell them (`layer_types`, or Jamba/Bamba-style
+# `layers_block_type`). Anything that is neither attention kind keeps a fixed-size state.
+_FULL_TYPES = {"full_attention", "attention", "global", "global_attention", "hybrid"}
+_SLIDING_TYPES = {"sliding_attention", "sliding", "local", "local_attention", "hybrid_sliding"}
+_CHUNKED_TYPES = {"chunked_attention"}
+_STATE_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent", "rwkv"}
+_NO_CACHE_TYPES = {"moe", "mlp", "dummy"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSizes:
+    """The shape of a model's KV cache.
+
+    ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
+    most ``window`` tokens. ``notes`` explain how the figures were derived.
+    """
+
+    layers: int
+    kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    sliding_layers: int = 0
+    window: int | None = None
+    name: str = "explicit sizes"
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
+            _check_positive_int(field, getattr(self, field))
+        if not isinstance(self.sliding_layers, int) or not 0 <= self.sliding_layers <= self.layers:
+            raise ValueError(
+                f"sliding_layers must be an int in [0, layers={self.layers}], got {self.sliding_layers!r}"
+            )
+        if self.sliding_layers:
+            _check_positive_int("window", self.window)
+
+    def tokens_held(self, context: int) -> int:
+        """Layer-tokens the cache holds for one sequence of ``context`` tokens."""
+        full = self.layers - self.sliding_layers
+        sliding = self.sliding_layers * min(context, self.window) if self.sliding_layers else 0
+        return full * context + sliding
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
+
+
+def element_bits(
+    fmt: str, sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP
+) -> tuple[float, float]:
+    """Bits per stored K element and per V element in ``fmt``, scale overhead included."""
+    _check_format(fmt)
+    if fmt != "kv4":
+        return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
+    _check_positive_int("k_group", k_group)
+    _check_positive_int("v_group", v_group)
+    return 4 + SCALE_BITS / k_group, 4 + SCALE_BITS / min(v_group, sizes.v_head_dim)
+
+
+def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> float:
+    k_bits, v_bits = element_bits(fmt, sizes, k_group, v_group)
+    return sizes.kv_heads * (sizes.k_head_dim * k_bits + sizes.v_head_dim * v_bits) / 8
+
+
+def kv_bytes_per_token(
+    source: Any, fmt: str = "fp16", k_group: int = K_GROUP, v_group: int = V_GROUP
+) -> float:
+    """Bytes one more token adds to one sequence's cache, over all KV layers.
+
+    This is the cost while the context fits in every sliding window; past it, sliding
+    layers stop growing (see :func:`kv_cache_bytes`). ``source`` is anything
+    :func:`kv_sizes` accepts.
+    """
+    sizes = kv_sizes(source)
+    return sizes.layers * _layer_token_bytes(sizes, fmt, k_group, v_group)
+
+
+def kv_cache_bytes(
+    source: Any,
+    fmt: str,
+    context: int,
+    batch: int = 1,
+    k_group: int = K_GROUP,
+    v_group: int = V_GROUP,
+) -> float:
+    """Bytes of the whole cache for ``batch`` sequences of ``context`` tokens each."""
+    _check_positive_int("context", context)
+    _check_positive_int("batch", batch)
+    sizes = kv_sizes(source)
+    return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def kv_sizes(source: Any) -> KVSizes:
+    """Cache shape of ``source``.
+
+    Accepted: a :class:`KVSizes`; a ``(layers, kv_heads, head_dim)`` tuple; a
+    ``PretrainedConfig``; a path to a directory holding config.json or to a config file;
+    a ``kvpass.models_zoo`` name.
+    """
+    if isinstance(source, KVSizes):
+        return source
+    if isinstance(source, (tuple, list)):
+        if len(source) != 3:
+            raise ValueError(f"explicit sizes must be (layers, kv_heads, head_dim), got {source!r}")
+        layers, kv_heads, head_dim = source
+        return KVSizes(layers=layers, kv_heads=kv_heads, k_head_dim=head_dim, v_head_dim=head_dim)
+    if isinstance(source, (str, os.PathLike)):
+        return _sizes_from_name_or_path(source)
+    if hasattr(source, "to_dict") and hasattr(source, "model_type"):
+        return sizes_from_config(source)
+    raise ValueError(
+        f"cannot estimate a KV cache for {source!r}; accepted: a config directory or "
+        "config.json path, a models_zoo name, a PretrainedConfig, or (layers, kv_heads, head_dim)"
+    )
+
+
+def _sizes_from_name_or_path(source: str | os.PathLike) -> KVSizes:
+    # Imported here: models_zoo pulls in torch and transformers, which explicit sizes never need.
+    from kvpass.models_zoo import ZOO
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"directory {str(source)!r} has no config.json")
+    if path.is_file():
+        return sizes_from_config(_load_config_file(path), name=str(source))
+    if str(source) in ZOO:
+        return sizes_from_config(ZOO[str(source)](), name=f"models_zoo:{source}")
+    raise ValueError(
+        f"{str(source)!r} is neither an existing config directory/file nor a models_zoo name; "
+        f"models_zoo names: {sorted(ZOO)}"
+    )
+
+
+def _load_config_file(path: Path) -> Any:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {str(path)!r} as a JSON config: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} holds a JSON {type(data).__name__}, not a config object")
+    from transformers import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if model_type in CONFIG_MAPPING:
+        # The config class fills in defaults the file omits (head_dim, layer_types, ...).
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    # A model type this transformers does not know: read the file's own fields.
+    logger.info(
+        "model_type %r unknown to transformers; reading %s field by field", model_type, path
+    )
+    text = data.get("text_config") or data
+    return SimpleNamespace(**text)
+
+
+def _get(cfg: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _require(cfg: Any, what: str, *names: str) -> int:
+    value = _get(cfg, *names)
+    if value is None:
+        raise ValueError(f"config has no {what} (looked for {', '.join(names)})")
+    _check_positive_int(names[0], value)
+    return value
+
+
+def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
+    """Cache shape of a transformers config (or an object with the same attribute names)."""
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config(decoder=True)
+    name = name or getattr(cfg, "model_type", None) or "config"
+    notes: list[str] = []
+    layers = _require(cfg, "layer count", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    heads = _require(cfg, "attention head count", "num_attention_heads", "n_head", "num_heads")
+
+    if _get(cfg, "kv_lora_rank") is not None:
+        # transformers' MLA models cache the compressed latent and the shared rotary key,
+        # one of each per layer, in the K and V slots of a single "head".
+        kv_heads = 1
+        k_dim = _require(cfg, "MLA latent rank", "kv_lora_rank")
+        v_dim = _require(cfg, "MLA rotary key dim", "qk_rope_head_dim")
+        notes.append(
+            f"MLA: the cache holds the {k_dim}-dim latent (K slot) and the {v_dim}-dim "
+            f"rotary key (V slot) once per layer, not per head ({heads} query heads)"
+        )
+    else:
+        kv_heads = _kv_heads(cfg, heads)
+        head_dim = _get(cfg, "head_dim")
+        if head_dim is None:
+            hidden = _require(cfg, "hidden size", "hidden_size", "n_embd", "d_model")
+            if hidden % heads:
+                raise ValueError(
+                    f"hidden size {hidden} is not divisible by {heads} heads; set head_dim"
+                )
+            head_dim = hidden // heads
+        _check_positive_int("head_dim", head_dim)
+        k_dim = v_dim = head_dim
+        if kv_heads == 1 and heads > 1:
+            notes.append(f"MQA: 1 KV head shared by {heads} query heads")
+        elif kv_heads < heads:
+            notes.append(f"GQA: {kv_heads} KV heads for {heads} query heads")
+
+    kv_layers, sliding_layers, window = _layer_layout(cfg, layers, notes)
+    return KVSizes(
+        layers=kv_layers,
+        kv_heads=kv_heads,
+        k_head_dim=k_dim,
+        v_head_dim=v_dim,
+        sliding_layers=sliding_layers,
+        window=window,
+        name=name,
+        notes=tuple(notes),
+    )
+
+
+def _kv_heads(cfg: Any, heads: int) -> int:
+    # Falcon-7B and GPT-BigCode say multi_query=True while num_kv_heads still reads the
+    # query head count; only Falcon's new decoder architecture honours num_kv_heads.
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        return 1
+    kv_heads = _get(
+        cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"
+    )
+    if kv_heads is None:
+        return heads
+    _check_positive_int("num_key_value_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads {kv_heads} does not divide {heads} attention heads")
+    return kv_heads
+
+
+def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[int, int, int | None]:
+    """(layers holding KV, of which sliding, window) from the config's per-layer types."""
+    types = _get(cfg, "layer_types", "layers_block_type")
+    window = _get(cfg, "sliding_window")
+    if getattr(cfg, "use_sliding_window", True) is False:
+        # Qwen2-style configs carry a sliding_window value that is switched off.
+        window = None
+    if types is None:
+        # Same inference as transformers' DynamicCache for configs without layer_types.
+        chunk = _get(cfg, "attention_chunk_size")
+        types = [
+            "sliding_attention" if window else "chunked_attention" if chunk else "full_attention"
+        ] * layers
+    types = [str(t) for t in types]
+    if len(types) != layers:
+        raise ValueError(f"config lists {len(types)} layer types for {layers} layers: {types!r}")
+
+    full = sliding = 0
+    state: dict[str, int] = {}
+    for kind in types:
+        if kind in _SLIDING_TYPES:
+            sliding += 1
+        elif kind in _CHUNKED_TYPES:
+            sliding += 1
+            window = _require(cfg, "attention chunk size", "attention_chunk_size")
+        elif kind in _STATE_TYPES or kind in _NO_CACHE_TYPES:
+            state[kind] = state.get(kind, 0) + 1
+        else:
+            if kind not in _FULL_TYPES:
+                notes.append(f"unknown layer type {kind!r} counted as full attention")
+            full += 1
+    if sliding and not window:
+        notes.append(
+            f"{sliding} sliding layers have no sliding_window in the config; counted as full"
+        )
+        full, sliding = full + sliding, 0
+    if full + sliding == 0:
+        raise ValueError(
+            f"config has no attention layers (layer types: {sorted(set(types))}); nothing to estimate"
+        )
+    if state:
+        kinds = ", ".join(f"{n} {k}" for k, n in state.items())
+        notes.append(
+            f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others ({kinds}) "
+            "keep a fixed-size state that is not counted"
+        )
+    if sliding:
+        notes.append(
+            f"sliding window {window} on {sliding} of {full + sliding} KV layers: they stop growing at {window} tokens"
+        )
+    return full + sliding, sliding, (window if sliding else None)
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def estimate_rows(
+    source: Any,
+    contexts: Iterable[int] = DEFAULT_CONTEXTS,
+    batches: Iterable[int] = DEFAULT_BATCHES,
+    k_group: int = K_GROUP,
+    v_group: int = V_GROUP,
+) -> list[dict[str, float]]:
+    """One row per (context, batch): total cache bytes in every format."""
+    sizes = kv_sizes(source)
+    return [
+        {
+            "context": c,
+            "batch": b,
+            **{f: kv_cache_bytes(sizes, f, c, b, k_group, v_group) for f in FORMATS},
+        }
+        for c in contexts
+        for b in batches
+    ]
+
+
+def human_bytes(n: float) -> str:
+    """Binary-unit size: 131072 -> '128.00 KiB'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(rows: Sequence[dict[str, float]]) -> str:
+    """Fixed-width table: context, batch, the four formats, and kv4's saving vs fp16."""
+    header = ["context", "batch", *FORMATS, "saving vs fp16"]
+    body = [
+        [
+            f"{r['context']:,}",
+            f"{r['batch']}",
+            *(human_bytes(r[f]) for f in FORMATS),
+            f"{1 - r['kv4'] / r['fp16']:.1%} ({r['fp16'] / r['kv4']:.2f}x)",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> str:
+    """Header lines: the sizes used, per-token bytes per format, and how they were counted."""
+    dims = (
+        f"head_dim {sizes.k_head_dim}"
+        if sizes.k_head_dim == sizes.v_head_dim
+        else (f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}")
+    )
+    k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
+    lines = [
+        f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, {_plural(sizes.kv_heads, 'KV head')}, {dims}",
+        "per token: "
+        + ", ".join(
+            f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
+        ),
+        f"kv4: K {k_bits:g} bits/element (scale per {k_group} tokens per channel), "
+        f"V {v_bits:g} bits/element (scale per {min(v_group, sizes.v_head_dim)} channels per token); "
+        "fp8/int8 without scales",
+        *sizes.notes,
+    ]
+    return "\n".join(lines)
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _tokens(text: str) -> int:
+    """argparse type: a token count, optionally with a K (x1024) or M suffix: '128K' -> 131072."""
+    scale = {"k": 2**10, "m": 2**20}.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale != 1 else text
+    try:
+        value = int(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a token count like 4096 or 128K, got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvpass estimate``."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="config directory / config.json, or a kvpass.models_zoo name",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="KV layers (instead of --model)")
+    parser.add_argument(
+        "--kv-heads", dest="kv_heads", type=int, default=None, help="KV heads (instead of --model)"
+    )
+    parser.add_argument(
+        "--head-dim",
+        dest="head_dim",
+        type=int,
+        default=None,
+        help="head dimension (instead of --model)",
+    )
+    parser.add_argument(
+        "--context",
+        type=_tokens,
+        nargs="+",
+        default=list(DEFAULT_CONTEXTS),
+        help="context lengths in tokens; K suffix = x1024 (default: 4K 32K 128K)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_BATCHES),
+        help="batch sizes (default: 1)",
+    )
+    parser.add_argument(
+        "--k-group", dest="k_group", type=int, default=K_GROUP, help="kv4 K tokens per scale"
+    )
+    parser.add_argument(
+        "--v-group", dest="v_group", type=int, default=V_GROUP, help="kv4 V channels per scale"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the estimate for ``args`` (fields as :func:`add_arguments` defines). Returns 0."""
+    explicit = {k: getattr(args, k, None) for k in ("layers", "kv_heads", "head_dim")}
+    given = [k for k, v in explicit.items() if v is not None]
+    if args.model is not None and given:
+        raise ValueError(
+            f"give either model ({args.model!r}) or explicit sizes ({', '.join(given)}), not both"
+        )
+    if args.model is not None:
+        source: Any = args.model
+    elif len(given) == 3:
+        source = (explicit["layers"], explicit["kv_heads"], explicit["head_dim"])
+    else:
+        missing = [k for k in explicit if explicit[k] is None]
+        raise ValueError(
+            f"without a model, layers, kv_heads and head_dim are all needed; missing {missing}"
+        )
+    # Namespaces built by hand may omit the kv4 group options.
+    k_group = getattr(args, "k_group", K_GROUP)
+    v_group = getattr(args, "v_group", V_GROUP)
+    sizes = kv_sizes(source)
+    rows = estimate_rows(sizes, args.context, args.batch, k_group, v_group)
+    print(describe(sizes, k_group, v_group))
+    print()
+    print(format_table(rows))
+    return 0

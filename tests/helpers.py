@@ -1,0 +1,47 @@
+"""Shared pieces of the end-to-end tests."""
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from kvpass.packed import PackedKV
+
+
+def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0):
+    """A tiny Llama whose head_dim is realistic, so scale overhead is what it is at scale."""
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
+        eos_token_id=None, pad_token_id=0, bos_token_id=1,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def cache_tensors(cache):
+    for layer in cache.layers:
+        yield layer.keys
+        yield layer.values
+
+
+def packed_and_fp16_bytes(cache):
+    """Bytes the cache stores, and what the same logical tensors take in fp16."""
+    stored = fp16 = 0
+    for t in cache_tensors(cache):
+        assert isinstance(t, PackedKV), f"cache holds a {type(t).__name__}, not PackedKV"
+        stored += t.stored_bytes()
+        fp16 += t.numel() * 2
+    return stored, fp16
+
+
+@torch.no_grad()
+def greedy_forward_loop(step, ids, new_tokens, cache=None):
+    """Greedy decoding by calling the (compiled) model's forward, as a serving loop does."""
+    cache = DynamicCache() if cache is None else cache
+    out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+    tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    for _ in range(new_tokens - 1):
+        out = step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    return torch.cat([ids, *tokens], dim=1), out.past_key_values

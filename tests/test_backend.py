@@ -1,0 +1,181 @@
+"""The kv4 backend end to end on unmodified HF models."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpass
+from kvpass.config import QuantSpec
+from kvpass.packed import PackedKV
+from kvpass.simulate import SimulatedKVCache
+from tests.helpers import greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
+
+
+def _ids(n, batch=1, seed=0):
+    return torch.randint(2, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(_ids(200), max_new_tokens=120, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert cache.get_seq_length() == 319  # the last generated token is never written back
+    stored, fp16 = packed_and_fp16_bytes(cache)
+    assert stored <= 0.30 * fp16, f"stored {stored} bytes = {stored / fp16:.3f} of fp16"
+    assert all(site.rewritten for g in backend.graphs for site in g.sites)
+    phases = [site.phase for g in backend.graphs for site in g.sites]
+    assert "prefill" in phases and "decode" in phases
+
+
+@pytest.mark.parametrize(
+    "k_spec, v_spec",
+    [
+        (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
+        (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
+    ],
+    ids=["kivi", "rotated"],
+)
+@torch.no_grad()
+def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
+    """The rewrite is exact with respect to the spec: same numbers as an eager model whose
+    cache hands attention ``quantize_dequantize(past)`` followed by the exact new token."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    ids, nxt = _ids(100, batch=2), _ids(1, batch=2, seed=1)
+
+    reference = SimulatedKVCache(model.config.num_hidden_layers, k_spec, v_spec)
+    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+
+    unquantized = DynamicCache()
+    model(input_ids=ids, past_key_values=unquantized, use_cache=True)
+    fp_logits = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits
+
+    backend = kvpass.kv4(
+        k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate,
+        v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate,
+    )  # fmt: skip
+    step = torch.compile(model, backend=backend)
+    cache = DynamicCache()
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[0].keys, PackedKV)
+    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    # and the check has teeth: quantization moved the logits measurably
+    assert (got - fp_logits).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
+    torch._dynamo.reset()
+    ids = _ids(90)
+    model = kv_heavy_llama()
+    loop_tokens, cache = greedy_forward_loop(torch.compile(model, backend="kv4"), ids, 40)
+    assert isinstance(cache.layers[-1].values, PackedKV)
+
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    model.compile(backend="kv4")
+    generated = model.generate(ids, max_new_tokens=40, do_sample=False)
+    assert torch.equal(loop_tokens, generated)
+
+
+def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
+    torch._dynamo.reset()
+    backend = kvpass.kv4()
+
+    def attention_without_cache(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    def attention_with_dropout(q, k_past, k_new, v):
+        k = torch.cat([k_past, k_new], dim=-2)
+        vv = torch.cat([v, k_new], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, vv, dropout_p=0.5), k, vv
+
+    q = torch.randn(1, 2, 3, 16)
+    with caplog.at_level(logging.INFO, logger="kvpass"):
+        out = torch.compile(attention_without_cache, backend=backend)(q, q, q)
+        torch.compile(attention_with_dropout, backend=backend)(q, q, q, q)
+    torch.testing.assert_close(out, attention_without_cache(q, q, q))
+    (plain, dropout) = backend.graphs
+    assert plain.before == plain.after and dropout.before == dropout.after
+    assert "does not come from a cache write" in plain.sites[0].reason
+    assert plain.sites[0].reason in caplog.text
+    assert dropout.sites[0].reason == "dropout_p=0.5 (only inference attention, dropout 0, is rewritten)"
+
+
+def test_backend_string_works_in_a_process_that_never_imports_kvpass():
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, eos_token_id=None)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        model.compile(backend="kv4")
+        out = model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=3, do_sample=False,
+                             return_dict_in_generate=True)
+        assert "kvpass" in sys.modules  # loaded by Dynamo through the entry point, not by us
+        print(type(out.past_key_values.layers[0].keys).__name__)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "PackedKV"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bits": 5}, r"bits must be one of \[2, 4, 8\], got 5"),
+        ({"k_scheme": "head"}, r"scheme must be one of \['channel', 'token'\], got 'head'"),
+        ({"v_group": 100}, "group must be a power of two >= 2, got 100"),
+        ({"inner": "cudagraphs"}, r"inner must be one of \['eager', 'aot_eager', 'inductor'\], got 'cudagraphs'"),
+        ({"v_scheme": "channel"}, "v_scheme='channel' is not supported"),
+    ],
+)
+def test_invalid_settings_name_the_setting_and_accepted_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kvpass.kv4(**kwargs)
+
+
+def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("KVPASS_DEBUG", "1")
+    model = kv_heavy_llama(layers=1)
+    with caplog.at_level(logging.INFO, logger="kvpass"):
+        model.compile(backend=kvpass.kv4(debug_dir=str(tmp_path)))
+        model.generate(_ids(10), max_new_tokens=3, do_sample=False)
+    assert "+++ graph_" in caplog.text and "kv4_append" in caplog.text
+    assert "model.layers.0.self_attn" in caplog.text and "int4" in caplog.text
+    saved = sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir())
+    assert saved.count("diff") >= 2 and saved.count("sites.txt") >= 2
+
+
+@pytest.mark.parametrize("inner", ["aot_eager"])
+@torch.no_grad()
+def test_inner_compilers_give_the_eager_inner_tokens(inner):
+    ids = _ids(70)
+    results = []
+    for name in ("eager", inner):
+        torch._dynamo.reset()
+        model = kv_heavy_llama(layers=1)
+        tokens, cache = greedy_forward_loop(torch.compile(model, backend=kvpass.kv4(inner=name)), ids, 8)
+        assert isinstance(cache.layers[0].keys, PackedKV)
+        results.append(tokens)
+    assert torch.equal(*results)
+
+
+@pytest.mark.skipif(os.environ.get("KVPASS_INDUCTOR_TEST") != "1", reason="inductor on CPU takes about a minute")
+def test_inductor_inner_compiler():
+    test_inner_compilers_give_the_eager_inner_tokens("inductor")

@@ -1,0 +1,78 @@
+"""Golden graph diffs of the rewrite on a one-layer Llama (EXPECTTEST_ACCEPT=1 rewrites them)."""
+
+import expecttest
+import torch
+
+import kvpass
+from tests.helpers import kv_heavy_llama
+
+
+class GraphDiffTest(expecttest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        torch._dynamo.reset()
+        model = kv_heavy_llama(layers=1)
+        cls.backend = kvpass.kv4()
+        model.compile(backend=cls.backend)
+        # 3 new tokens: prefill, first decode (static length), decode with symbolic length
+        model.generate(torch.arange(2, 12)[None], max_new_tokens=3, do_sample=False)
+
+    def test_prefill_graph(self):
+        prefill = self.backend.graphs[0]
+        self.assertExpectedInline(
+            prefill.diff,
+            """\
+--- graph_0 (fp16)
++++ graph_0 (kv4)
+@@ -48,5 +48,3 @@
+-    tensor = torch.tensor([], dtype = torch.float32, device = device(type='cpu'))
+-    tensor_1 = torch.tensor([], dtype = torch.float32, device = device(type='cpu'))
+-    keys = torch.cat([tensor, k_embed], dim = -2)
+-    values = torch.cat([tensor_1, value_states], dim = -2)
+-    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = True, enable_gqa = True)
++    kv4_pack = kvpass_graph_ops_kv4_pack(k_embed, spec = 'int4:channel:64')
++    kv4_pack_1 = kvpass_graph_ops_kv4_pack(value_states, spec = 'int4:token:128')
++    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, k_embed, value_states, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = True, enable_gqa = True)
+@@ -84 +82 @@
+-    return (values, keys, logits)
++    return (kv4_pack_1, kv4_pack, logits)
+""",
+        )
+
+    def test_decode_graph(self):
+        decode = self.backend.graphs[-1]
+        self.assertExpectedInline(
+            decode.diff,
+            """\
+--- graph_2 (fp16)
++++ graph_2 (kv4)
+@@ -49,2 +49,2 @@
+-    keys = torch.cat([cache_layers_0_keys, k_embed], dim = -2)
+-    values = torch.cat([cache_layers_0_values, value_states], dim = -2)
++    kv4_append = kvpass_graph_ops_kv4_append(cache_layers_0_keys, k_embed, spec = 'int4:channel:64')
++    kv4_append_1 = kvpass_graph_ops_kv4_append(cache_layers_0_values, value_states, spec = 'int4:token:128')
+@@ -56,2 +56,2 @@
+-    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = False, enable_gqa = True)
+-    attn_output_1 = attn_output.reshape(1, -1, 1, 64)
++    kv4_sdpa = kvpass_graph_ops_kv4_sdpa(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:channel:64', v_spec = 'int4:token:128')
++    attn_output_1 = kv4_sdpa.reshape(1, -1, 1, 64)
+@@ -88 +88 @@
+-    return (values, keys, logits)
++    return (kv4_append_1, kv4_append, logits)
+""",
+        )
+
+    def test_site_table(self):
+        from kvpass.debug import site_table
+
+        self.assertExpectedInline(
+            "".join(site_table(g.sites) for g in self.backend.graphs),
+            """\
+site  module                    phase    kv cache  reason
+0     model.layers.0.self_attn  prefill  int4
+site  module                    phase   kv cache  reason
+0     model.layers.0.self_attn  decode  int4
+site  module                    phase   kv cache  reason
+0     model.layers.0.self_attn  decode  int4
+""",
+        )

@@ -1,0 +1,193 @@
+"""The reference quantizer: error bounds derived from the grid, packing, edge values."""
+
+import math
+
+import pytest
+import torch
+
+from kvpass import reference as R
+from kvpass.config import KVConfig, QuantSpec
+
+SPECS = [
+    QuantSpec(4, "token", 128),
+    QuantSpec(4, "token", 32),
+    QuantSpec(4, "channel", 64),
+    QuantSpec(4, "channel", 32),
+    QuantSpec(8, "token", 64),
+    QuantSpec(2, "channel", 64),
+]
+
+
+def _scale_per_element(scales, spec, shape):
+    B, H, S, D = shape
+    if spec.scheme == "token":
+        return scales.repeat_interleave(D // scales.shape[-1], dim=-1)
+    return scales.repeat_interleave(spec.group, dim=2)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.tag)
+def test_error_within_half_a_step(spec):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 128, 64) * torch.logspace(-3, 2, 64)  # channels of very different size
+    codes, scales = R.quantize(x, spec)
+    y = R.dequantize(codes, scales, spec)
+    bound = R.error_bound(_scale_per_element(scales, spec, x.shape), spec)
+    assert ((x - y).abs() <= bound).all()
+    # the bound is tight: some element lands near half a step from its code
+    assert ((x - y).abs() > 0.4 * bound).any()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_round_trip_is_exact(bits):
+    qmax = 2 ** (bits - 1) - 1
+    codes = torch.randint(-qmax, qmax + 1, (2, 3, 5, 64), dtype=torch.int8)
+    packed = R.pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(R.unpack_codes(packed, bits), codes)
+
+
+def test_int4_packs_low_nibble_first():
+    codes = torch.tensor([[-7, 7]], dtype=torch.int8)
+    # offset binary: -7 -> 1 (low nibble), 7 -> 15 (high nibble)
+    assert R.pack_codes(codes, 4).item() == 1 | (15 << 4)
+
+
+def test_all_zero_group_has_zero_scale_and_decodes_exactly():
+    x = torch.zeros(1, 1, 64, 64)
+    x[..., 1] = 3.0  # channel 1 (in the first channel group) is nonzero everywhere
+    for spec in (QuantSpec(4, "token", 32), QuantSpec(4, "channel", 64)):
+        codes, scales = R.quantize(x, spec)
+        y = R.dequantize(codes, scales, spec)
+        zero_groups = scales == 0
+        assert zero_groups.sum() == scales.numel() - (scales.shape[2] if spec.scheme == "token" else 1)
+        assert torch.equal(y[..., 32:], x[..., 32:]) and torch.equal(y[..., 0], x[..., 0])
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(4, "token", 64), QuantSpec(4, "channel", 64)], ids=lambda s: s.tag)
+def test_single_huge_outlier_is_kept_and_bounds_only_its_group(spec):
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 64, 128)
+    x[0, 0, 5, 7] = 1e4
+    codes, scales = R.quantize(x, spec)
+    y = R.dequantize(codes, scales, spec)
+    assert y[0, 0, 5, 7] == pytest.approx(1e4, rel=1e-3)
+    bound = R.error_bound(_scale_per_element(scales, spec, x.shape), spec)
+    assert ((x - y).abs() <= bound).all()
+    # other heads never see the outlier's scale
+    assert (x[0, 1] - y[0, 1]).abs().max() < 1.0
+
+
+def test_subnormal_inputs():
+    spec = QuantSpec(4, "token", 64)
+    x = torch.full((1, 1, 2, 64), 1e-6)  # amax / 7 is an fp16 subnormal
+    x[0, 0, 1] = 1e-9  # amax / 7 underflows fp16: the group flushes to zero
+    codes, scales = R.quantize(x, spec)
+    y = R.dequantize(codes, scales, spec)
+    assert scales[0, 0, 0, 0] > 0 and scales[0, 0, 1, 0] == 0
+    bound = R.error_bound(_scale_per_element(scales, spec, x.shape), spec)
+    assert ((x - y).abs() <= bound).all()
+    assert torch.equal(y[0, 0, 1], torch.zeros(64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_poisons_exactly_its_group(bad):
+    for spec in (QuantSpec(4, "token", 32), QuantSpec(4, "channel", 64)):
+        x = torch.randn(1, 1, 64, 64)
+        x[0, 0, 3, 5] = bad
+        codes, scales = R.quantize(x, spec)
+        y = R.dequantize(codes, scales, spec)
+        poisoned = y.isnan()
+        if spec.scheme == "token":
+            expected = torch.zeros_like(poisoned)
+            expected[0, 0, 3, :32] = True
+        else:
+            expected = torch.zeros_like(poisoned)
+            expected[0, 0, :, 5] = True
+        assert torch.equal(poisoned, expected)
+
+
+def test_channel_scheme_needs_whole_groups():
+    with pytest.raises(ValueError, match="whole groups of 64 tokens, got 65"):
+        R.quantize(torch.randn(1, 1, 65, 64), QuantSpec(4, "channel", 64))
+
+
+def test_token_group_is_clipped_to_head_dim_and_must_divide_it():
+    assert QuantSpec(4, "token", 128).token_group(64) == 64
+    with pytest.raises(ValueError, match="head_dim 96 is not a multiple"):
+        QuantSpec(4, "token", 64).token_group(96)
+
+
+def test_hadamard_is_orthonormal_and_involutive():
+    h = R.hadamard(64)
+    assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
+    x = torch.randn(3, 64)
+    assert torch.allclose(R.rotate(R.rotate(x)), x, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bits": 3}, "bits must be one of [2, 4, 8], got 3"),
+        ({"scheme": "row"}, "scheme must be one of ['channel', 'token'], got 'row'"),
+        ({"group": 48}, "group must be a power of two >= 2, got 48"),
+    ],
+)
+def test_bad_spec_names_setting_and_accepted_values(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        QuantSpec(**kwargs)
+
+
+def test_bad_inner_compiler():
+    with pytest.raises(ValueError, match=r"inner must be one of \['eager', 'aot_eager', 'inductor'\], got 'tvm'"):
+        KVConfig(inner="tvm")
+
+
+# --- attention ------------------------------------------------------------------------
+
+
+def _stored(x, spec):
+    B, H, S, D = x.shape
+    n = S - S % spec.group if spec.scheme == "channel" else S
+    codes, scales = R.encode(x[:, :, :n], spec)
+    residual = (R.rotate(x) if spec.rotate else x)[:, :, n:]
+    return codes, scales, residual
+
+
+@pytest.mark.parametrize("past", [0, 1, 63, 64, 65, 300])
+@pytest.mark.parametrize(
+    "k_spec, v_spec",
+    [
+        (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
+        (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
+    ],
+    ids=["kivi", "rotated"],
+)
+@pytest.mark.parametrize("new, causal", [(1, False), (5, True)])
+def test_blockwise_attention_equals_sdpa_over_dequantized_cache(past, k_spec, v_spec, new, causal):
+    torch.manual_seed(past)
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    k, v = torch.randn(B, Hkv, past, D), torch.randn(B, Hkv, past, D)
+    q = torch.randn(B, Hq, new, D)
+    k_new, v_new = torch.randn(B, Hkv, new, D), torch.randn(B, Hkv, new, D)
+    mask = torch.rand(B, 1, new, past + new) > 0.2
+    mask[..., -1] = True  # every row attends to something
+    out = R.attention(q, *_stored(k, k_spec), *_stored(v, v_spec), k_new, v_new, mask, 0.1, causal, k_spec, v_spec)
+    full_k = torch.cat([R.quantize_dequantize(k, k_spec), k_new], 2)
+    full_v = torch.cat([R.quantize_dequantize(v, v_spec), v_new], 2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, full_k, full_v, attn_mask=mask if not causal else mask & torch.ones(new, past + new).tril().bool(),
+        scale=0.1, enable_gqa=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_attention_error_is_small_against_fp():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 256, 64), torch.randn(1, 4, 256, 64)
+    k_spec, v_spec = QuantSpec(4, "channel", 64), QuantSpec(4, "token", 64)
+    out = R.attention(
+        q, *_stored(k, k_spec), *_stored(v, v_spec), k[:, :, :0], v[:, :, :0], None, 1 / math.sqrt(64), False,
+        k_spec, v_spec,
+    )  # fmt: skip
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert (out - exact).abs().max() < 0.1
