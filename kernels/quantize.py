@@ -65,7 +65,7 @@ def _quantize_token_kernel(
     X, stride_xb, stride_xh, stride_xs, stride_xd,
     C, stride_cb, stride_ch, stride_cs, stride_cd,
     SC, stride_sb, stride_sh, stride_ss, stride_sg,
-    H, S, D,
+    H, S, D, n_groups,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -93,7 +93,7 @@ def _quantize_token_kernel(
     tl.store(
         SC + b * stride_sb + h * stride_sh + offs_s[:, None] * stride_ss + offs_g[None, :] * stride_sg,
         scale,
-        mask=row_ok[:, None] & (offs_g[None, :] < D // GROUP),
+        mask=row_ok[:, None] & (offs_g[None, :] < n_groups),
     )
 
     scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
@@ -195,12 +195,17 @@ def quantize(
     block_d = triton.next_power_of_2(D)
     if spec.scheme == "token":
         group = spec.token_group(D)
+        n_groups = D // group
+        if group & (group - 1):
+            # A group clipped to a non-power-of-two head_dim is the whole row; its zero
+            # padding up to BLOCK_D changes no amax, and Triton blocks are powers of two.
+            group = block_d
         # About 4K elements per program: enough rows to hide latency at head_dim 64-256.
         block_s = min(triton.next_power_of_2(S), max(1, 4096 // block_d))
         grid = (B * H, triton.cdiv(S, block_s))
         _quantize_token_kernel[grid](
             x, *x.stride(), codes, *codes.stride(), scales, *scales.stride(),
-            H, S, D,
+            H, S, D, n_groups,
             BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d,
         )
     else:

@@ -256,8 +256,9 @@ def attention(
         visit(k_new, v_new, qf, past, acc_plain)
 
     out_stored = rotate(acc_stored) if v_spec.rotate else acc_stored
-    # A row with every key masked gives zeros, as torch's SDPA does.
-    out = torch.where(denom > 0, (out_stored + acc_plain) / denom.clamp_min(1e-30), 0.0)
+    # A row with every key masked gives zeros, as torch's SDPA does; NaN (a poisoned
+    # stored group) propagates.
+    out = torch.where(denom == 0, 0.0, (out_stored + acc_plain) / denom)
     return out.reshape(B, Hq, T, Dv).to(q.dtype)
 
 

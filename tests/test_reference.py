@@ -191,3 +191,16 @@ def test_quantized_attention_error_is_small_against_fp():
     )  # fmt: skip
     exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert (out - exact).abs().max() < 0.1
+
+
+def test_poisoned_stored_group_makes_attention_nan_not_finite():
+    spec = QuantSpec(4, "token", 64)
+    k = torch.randn(1, 1, 8, 64)
+    k[0, 0, 3, 0] = float("nan")
+    codes, scales = R.quantize(k, spec)
+    empty = k[:, :, :0]
+    out = R.attention(
+        torch.randn(1, 1, 1, 64), codes, scales, empty, *R.quantize(torch.randn(1, 1, 8, 64), spec), empty,
+        empty, empty, None, 0.1, False, spec, spec,
+    )  # fmt: skip
+    assert out.isnan().all()

@@ -1,0 +1,179 @@
+"""Decode attention time: fp16 SDPA vs the fused kv4 kernel vs dequantize-then-SDPA.
+
+Decode is memory-bound, so each row also reports achieved bytes/s and the fraction of the
+memory roofline: the bytes the method's cache format forces it to read, over the
+device-to-device copy bandwidth measured in the same run. Both kv4 methods read the same
+int4 cache, so they share a roofline; dequantize-then-SDPA (what HF's QuantizedCache does)
+shows how far from it a non-fused path lands.
+
+    python benchmarks/bench_attention.py [--batch 1 8] [--context 4096 16384 32768 65536] [--output results.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from kvpass import reference
+from kvpass.config import KVConfig
+
+# Larger than any L2 (H200: 50 MiB), rewritten before every timed call so no method is
+# timed reading a cache that the previous iteration left in L2.
+L2_FLUSH_BYTES = 256 << 20
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--output", help="also write the results here: .json for records, anything else as markdown")
+    return parser.parse_args(argv)
+
+
+def _time_ms(fn, warmup, iters, flush):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def copy_bandwidth(flush, warmup, iters) -> float:
+    """Device-to-device copy bandwidth in bytes/s (a copy reads and writes each byte)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src), warmup, iters, flush)
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench_case(batch, context, args, bandwidth, flush):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvpass.kernels import attention, quantize
+
+    config = KVConfig()
+    k_spec, v_spec = config.k, config.v
+    B, Hq, Hkv, D = batch, args.q_heads, args.kv_heads, args.head_dim
+    past = context - 1
+    scale = D**-0.5
+    dev = "cuda"
+    q = torch.randn(B, Hq, 1, D, dtype=torch.float16, device=dev)
+    k_past = torch.randn(B, Hkv, past, D, dtype=torch.float16, device=dev)
+    v_past = torch.randn(B, Hkv, past, D, dtype=torch.float16, device=dev)
+    k_new = torch.randn(B, Hkv, 1, D, dtype=torch.float16, device=dev)
+    v_new = torch.randn(B, Hkv, 1, D, dtype=torch.float16, device=dev)
+
+    # The KIVI layout: K per-channel groups with the newest partial group in a residual.
+    n_quant_k = past - past % k_spec.group
+    k_codes, k_scales = quantize(k_past[:, :, :n_quant_k], k_spec)
+    k_residual = k_past[:, :, n_quant_k:].contiguous()
+    v_codes, v_scales = quantize(v_past, v_spec)
+    v_residual = v_past[:, :, :0]
+    k_full = torch.cat([k_past, k_new], dim=2)
+    v_full = torch.cat([v_past, v_new], dim=2)
+    del k_past, v_past
+
+    def sdpa_fp16():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, scale=scale, enable_gqa=True)
+
+    def fused_kv4():
+        return attention(
+            q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
+            k_new, v_new, None, scale, False, k_spec, v_spec,
+        )
+
+    def dequant_then_sdpa():
+        keys = torch.cat([reference.decode(k_codes, k_scales, k_residual, k_spec, torch.float16), k_new], dim=2)
+        values = torch.cat([reference.decode(v_codes, v_scales, v_residual, v_spec, torch.float16), v_new], dim=2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+
+    # Autotuning picks among configs by speed alone; check the winner still computes the
+    # same attention as the unfused path before timing it.
+    torch.testing.assert_close(fused_kv4(), dequant_then_sdpa(), atol=6e-3, rtol=6e-3)
+
+    small = _nbytes(q, k_new, v_new) + _nbytes(q)  # the query, the new token, the output
+    fp16_bytes = _nbytes(k_full, v_full) + _nbytes(q) * 2
+    kv4_bytes = _nbytes(k_codes, k_scales, k_residual, v_codes, v_scales) + small
+    rows = []
+    for method, fn, must_read in (
+        ("sdpa fp16 (flash)", sdpa_fp16, fp16_bytes),
+        ("kv4 fused", fused_kv4, kv4_bytes),
+        ("kv4 dequant+sdpa", dequant_then_sdpa, kv4_bytes),
+    ):
+        ms = _time_ms(fn, args.warmup, args.iters, flush)
+        achieved = must_read / (ms * 1e-3)
+        rows.append(
+            dict(
+                method=method, batch=B, context=context, ms=ms, bytes=must_read,
+                gbytes_per_s=achieved / 1e9, roofline_fraction=achieved / bandwidth,
+            )
+        )
+    return rows
+
+
+def _markdown(rows, bandwidth, device_name):
+    lines = [
+        f"decode attention on {device_name}; copy bandwidth {bandwidth / 1e9:.0f} GB/s",
+        "",
+        "| method | batch | context | ms | MB read | GB/s | roofline |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['bytes'] / 1e6:.1f} "
+            f"| {r['gbytes_per_s']:.0f} | {r['roofline_fraction']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA device; this benchmark times GPU kernels and has nothing to measure on CPU", file=sys.stderr)
+        return 1
+    if args.q_heads % args.kv_heads:
+        print(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    bandwidth = copy_bandwidth(flush, args.warmup, args.iters)
+    rows = []
+    for batch in args.batch:
+        for context in args.context:
+            rows.extend(bench_case(batch, context, args, bandwidth, flush))
+            torch.cuda.empty_cache()
+    table = _markdown(rows, bandwidth, torch.cuda.get_device_name())
+    print(table)
+    if args.output:
+        with open(args.output, "w") as f:
+            if args.output.endswith(".json"):
+                json.dump(dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bandwidth, rows=rows), f, indent=2)
+            else:
+                f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The Triton kernels, compiled for the GPU, against the reference on random inputs.
+
+The CPU tests run the same kernels under the Triton interpreter, which cannot see GPU-only
+behaviour (approximate division, bf16 tensor-core dots, NaN-dropping max, layouts); this
+runs natively, including odd shapes. Exits non-zero on the first mismatch class, after
+printing every case.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from kvpass import reference
+from kvpass.config import QuantSpec
+
+# Same tolerances, for the same reasons, as tests/test_kernels.py: operands rounded to the
+# input dtype before tensor-core dots with fp32 accumulation.
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=6e-3, rtol=6e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
+ROTATED = (QuantSpec(4, "token", 128, rotate=True), QuantSpec(4, "token", 128, rotate=True))
+INT2_INT8 = (QuantSpec(2, "channel", 16), QuantSpec(8, "token", 32))
+
+QUANTIZE_CASES = [
+    (QuantSpec(4, "token", 128), (3, 8, 1000, 128)),
+    (QuantSpec(4, "token", 128), (2, 4, 17, 80)),
+    (QuantSpec(4, "channel", 64), (2, 8, 4096, 128)),
+    (QuantSpec(2, "channel", 32), (1, 3, 96, 96)),
+    (QuantSpec(8, "token", 32), (2, 2, 33, 64)),
+    (QuantSpec(2, "token", 2), (1, 2, 7, 64)),
+]
+# batch, q heads, kv heads, q_len, past, head_dim, dtype, specs, mask ("causal", "chunk", "pad", None)
+ATTENTION_CASES = [
+    (1, 32, 8, 1, 4095, 128, torch.float16, KIVI, None),
+    (4, 32, 8, 1, 1000, 128, torch.bfloat16, KIVI, "pad"),
+    (3, 8, 1, 1, 777, 64, torch.float16, ROTATED, None),
+    (2, 12, 12, 1, 129, 64, torch.float32, INT2_INT8, None),
+    (2, 10, 2, 1, 300, 80, torch.float16, KIVI, "pad"),
+    (1, 32, 8, 1, 0, 128, torch.float16, KIVI, None),
+    (2, 32, 8, 300, 0, 128, torch.float16, KIVI, "causal"),
+    (2, 28, 4, 77, 513, 128, torch.bfloat16, KIVI, "chunk"),
+    (1, 16, 16, 130, 65, 64, torch.float32, ROTATED, "chunk"),
+    (1, 14, 2, 64, 4000, 96, torch.float16, KIVI, "causal"),
+]
+
+
+def _store(x, spec):
+    stored = reference.rotate(x) if spec.rotate else x
+    n_quant = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
+    codes, scales = reference.quantize(stored[:, :, :n_quant], spec)
+    return codes, scales, stored[:, :, n_quant:].contiguous()
+
+
+def check_quantize(kernels) -> bool:
+    ok = True
+    for spec, shape in QUANTIZE_CASES:
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+            x[0, 0, 0] = 0
+            x[0, -1, 1, 3] = float("nan")
+            x[-1, 0, 2, 1] = float("inf")
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+            codes_ref, scales_ref = reference.quantize(x, spec)
+            codes, scales = kernels.quantize(x, spec)
+            same = torch.equal(codes, codes_ref) and torch.equal(scales.isnan(), scales_ref.isnan())
+            same = same and torch.equal(scales.nan_to_num(0).view(torch.int16), scales_ref.nan_to_num(0).view(torch.int16))
+            ok &= same
+            print(f"quantize {spec.bits}b {spec.scheme:7} g{spec.group:<3} {str(list(shape)):22} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
+def check_attention(kernels) -> bool:
+    ok = True
+    for B, Hq, Hkv, T, past, D, dtype, specs, mask_kind in ATTENTION_CASES:
+        def randn(*shape):
+            return torch.randn(shape, device="cuda").to(dtype)
+
+        k_spec, v_spec = specs
+        stored_k = _store(randn(B, Hkv, past, D), k_spec)
+        stored_v = _store(randn(B, Hkv, past, D), v_spec)
+        q, k_new, v_new = randn(B, Hq, T, D), randn(B, Hkv, T, D), randn(B, Hkv, T, D)
+        total = past + T
+        attn_mask = None
+        if mask_kind == "chunk":
+            attn_mask = torch.arange(total, device="cuda")[None, :] <= torch.arange(T, device="cuda")[:, None] + past
+        elif mask_kind == "pad":
+            valid = torch.randint(1, total + 1, (B,), device="cuda")
+            attn_mask = (torch.arange(total, device="cuda")[None, :] >= (total - valid)[:, None])[:, None, None, :]
+        args = (q, *stored_k, *stored_v, k_new, v_new, attn_mask, D**-0.5, mask_kind == "causal", k_spec, v_spec)
+        expected = reference.attention(*args)
+        out = torch.full_like(expected, float("nan"))
+        kernels.attention(*args, out=out)
+        err = (out.float() - expected.float()).abs().max().item()
+        try:
+            torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+            verdict = "ok"
+        except AssertionError:
+            verdict = "MISMATCH"
+            ok = False
+        name = f"B{B} Hq{Hq} Hkv{Hkv} T{T} P{past} D{D}"
+        print(f"attention {name:34} {str(dtype)[6:]:8} {str(mask_kind):6} max err {err:.2e} {verdict}")
+    return ok
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; the CPU tests (tests/test_kernels.py) cover the interpreter", file=sys.stderr)
+        return 1
+    from kvpass import kernels
+
+    torch.manual_seed(0)
+    start = time.time()
+    ok = check_quantize(kernels) & check_attention(kernels)
+    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

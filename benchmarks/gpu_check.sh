@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# GPU checks of the Triton kernels: native (not interpreted) kernels against the reference
+# on random and odd shapes, then the decode benchmark, whose table prints last.
+# Installs nothing; expects `pip install -e .` done. About 2-4 minutes on an H200, most of
+# it Triton compilation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+unset TRITON_INTERPRET
+
+# One kernel config per shape class: the checks cover many shape classes, and autotuning
+# each would compile every config for every one of them.
+KVPASS_AUTOTUNE=0 python benchmarks/gpu_check.py
+
+mkdir -p "${OUT:-benchmarks}"
+python benchmarks/bench_attention.py --output "${OUT:-benchmarks}/bench_attention.md" "$@"

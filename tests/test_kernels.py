@@ -1,0 +1,263 @@
+"""Triton kernels against the reference numerics, on CPU through the Triton interpreter.
+
+Quantization must be bit-exact. Attention is compared with tolerances per dtype (see
+``TOLERANCE``). Every output is poisoned before the launch so an element the kernel never
+writes fails the comparison.
+"""
+
+import os
+
+# The interpreter is chosen when Triton and the kernels are imported, so set it first.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+
+from kvpass import reference  # noqa: E402
+from kvpass.config import QuantSpec  # noqa: E402
+from kvpass.kernels.attention import _INTERPRET as KERNELS_INTERPRETED  # noqa: E402
+
+if not KERNELS_INTERPRETED:
+    pytest.skip(
+        "kvpass.kernels was imported before this module set TRITON_INTERPRET=1; run "
+        f"{os.path.basename(__file__)} in its own process or with TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+from kvpass.kernels import attention, quantize  # noqa: E402
+
+# Tolerances of the fused attention against the fp32 reference, per input dtype:
+# - fp32: operands stay fp32 and the dots are IEEE fp32; only summation order and exp
+#   differ, a few ulp of outputs that are O(1).
+# - fp16: q, the dequantized K/V (exact codes times an fp16 scale) and the softmax weights
+#   are rounded to fp16 (2**-11 relative) before the tensor-core dot, and the output is
+#   rounded to fp16; outputs are averages of N(0, 1) values, so |out| < 4 and one fp16 ulp
+#   there is 2e-3.
+# - bf16: the same roundings at 2**-8 relative; one bf16 ulp at |out| < 4 is 1.6e-2.
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=6e-3, rtol=6e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+
+KIVI = (QuantSpec(bits=4, scheme="channel", group=64), QuantSpec(bits=4, scheme="token", group=128))
+ROTATED = (QuantSpec(bits=4, scheme="token", group=128, rotate=True), QuantSpec(bits=4, scheme="token", group=128, rotate=True))
+INT2_INT8 = (QuantSpec(bits=2, scheme="channel", group=16), QuantSpec(bits=8, scheme="token", group=32))
+TOKEN_GROUPS = (QuantSpec(bits=4, scheme="token", group=32), QuantSpec(bits=2, scheme="token", group=64))
+SPECS = {"kivi": KIVI, "rotated": ROTATED, "int2_int8": INT2_INT8, "token_groups": TOKEN_GROUPS}
+
+
+def _bits_equal(a, b):
+    # NaN scales may differ in payload bits between backends; everything else is compared bitwise.
+    if not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
+
+
+# --- quantize --------------------------------------------------------------------------
+
+
+def _hard_values(shape, dtype, generator):
+    """Random groups plus the cases the reference defines: zeros, flush-to-zero, non-finite, ties."""
+    x = torch.randn(shape, generator=generator) * 3
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 1e-9
+    x[0, -1, 2, 3] = float("nan")
+    x[-1, 0, 3, 1] = float("inf")
+    x[-1, -1, 4, 0] = -float("inf")
+    # amax 7 gives scale 1, so these land exactly on rounding ties (half to even).
+    x[0, 0, 5] = torch.tensor([7.0, 2.5, -2.5, 0.5, -1.5, 3.5, 6.5, -6.5]).repeat(shape[-1] // 8)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        (QuantSpec(bits=4, scheme="token", group=128), (2, 3, 17, 128)),
+        (QuantSpec(bits=4, scheme="token", group=128), (1, 2, 9, 64)),
+        (QuantSpec(bits=4, scheme="channel", group=64), (2, 2, 128, 64)),
+        (QuantSpec(bits=2, scheme="token", group=2), (1, 2, 8, 96)),
+        (QuantSpec(bits=8, scheme="token", group=32), (2, 1, 6, 96)),
+        (QuantSpec(bits=2, scheme="channel", group=16), (1, 3, 32, 40)),
+        (QuantSpec(bits=8, scheme="channel", group=8), (2, 1, 16, 128)),
+        (QuantSpec(bits=4, scheme="token", group=128), (1, 2, 7, 80)),
+    ],
+    ids=lambda v: f"{v.bits}b-{v.scheme}-g{v.group}" if isinstance(v, QuantSpec) else "x".join(map(str, v)),
+)
+def test_quantize_bit_exact(spec, shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape) + spec.bits)
+    # Heads-major storage transposed to a logical [B, H, S, D]: non-contiguous input.
+    x = _hard_values(shape, dtype, gen).transpose(1, 2).contiguous().transpose(1, 2)
+    codes_ref, scales_ref = reference.quantize(x, spec)
+    codes = torch.randint(0, 256, codes_ref.shape, dtype=torch.uint8, generator=gen)
+    scales = torch.full_like(scales_ref, float("nan"))
+    quantize(x, spec, out=(codes, scales))
+    assert torch.equal(codes, codes_ref)
+    assert _bits_equal(scales, scales_ref)
+
+
+def test_quantize_into_cache_slice():
+    spec = QuantSpec(bits=4, scheme="channel", group=64)
+    x = torch.randn(2, 2, 64, 64, dtype=torch.float16)
+    codes_buf = torch.zeros(2, 2, 256, 32, dtype=torch.uint8)
+    scales_buf = torch.zeros(2, 2, 4, 64, dtype=torch.float16)
+    quantize(x, spec, out=(codes_buf[:, :, 128:192], scales_buf[:, :, 2:3]))
+    codes_ref, scales_ref = reference.quantize(x, spec)
+    assert torch.equal(codes_buf[:, :, 128:192], codes_ref)
+    assert torch.equal(scales_buf[:, :, 2:3], scales_ref)
+    assert not codes_buf[:, :, :128].any() and not codes_buf[:, :, 192:].any()
+
+
+def test_quantize_returns_new_tensors_and_rejects_partial_groups():
+    x = torch.randn(1, 2, 5, 64)
+    codes, scales = quantize(x, QuantSpec(bits=4, scheme="token", group=128))
+    assert codes.shape == (1, 2, 5, 32) and scales.shape == (1, 2, 5, 1)
+    with pytest.raises(ValueError, match="whole groups of 64 tokens, got 5"):
+        quantize(x, QuantSpec(bits=4, scheme="channel", group=64))
+    with pytest.raises(ValueError, match="dtype"):
+        quantize(x.double(), QuantSpec())
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+def _store(x, spec):
+    """The stored form of ``x`` as the cache holds it: codes, scales and the residual tail."""
+    stored = reference.rotate(x) if spec.rotate else x
+    n_quant = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
+    codes, scales = reference.quantize(stored[:, :, :n_quant], spec)
+    return codes, scales, stored[:, :, n_quant:].contiguous()
+
+
+def _inputs(batch, q_heads, kv_heads, q_len, past, new, head_dim, dtype, specs, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    k_spec, v_spec = specs
+    k_codes, k_scales, k_res = _store(randn(batch, kv_heads, past, head_dim), k_spec)
+    v_codes, v_scales, v_res = _store(randn(batch, kv_heads, past, head_dim), v_spec)
+    q = randn(batch, q_heads, q_len, head_dim)
+    k_new, v_new = randn(batch, kv_heads, new, head_dim), randn(batch, kv_heads, new, head_dim)
+    return q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_new, v_new
+
+
+def _check(args, attn_mask, is_causal, specs, dtype, out=None):
+    q = args[0]
+    scale = q.shape[-1] ** -0.5
+    expected = reference.attention(*args, attn_mask, scale, is_causal, *specs)
+    if out is None:
+        out = torch.full(expected.shape, float("nan"), dtype=dtype)
+    else:
+        out.fill_(float("nan"))
+    result = attention(*args, attn_mask, scale, is_causal, *specs, out=out)
+    assert result is out
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+PASTS = (0, 1, 63, 64, 65, 300)
+HEADS = ((2, 2), (8, 2), (16, 2), (4, 1))  # GQA ratios 1, 4, 8 and MQA
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A sample of the cross product: each axis advances with its own period, so every value of
+# every axis appears several times and in varied company, in 24 cases instead of 1728.
+DECODE_CASES = [
+    (
+        PASTS[i % 6],
+        (64, 128)[(i // 6) % 2],
+        HEADS[i % 4],
+        (1, 2, 3)[(i // 4) % 3],
+        DTYPES[(i // 2) % 3],
+        list(SPECS)[(i // 3) % 4],
+    )
+    for i in range(24)
+]
+
+
+@pytest.mark.parametrize("past, head_dim, heads, batch, dtype, specs", DECODE_CASES)
+def test_decode_matches_reference(past, head_dim, heads, batch, dtype, specs):
+    q_heads, kv_heads = heads
+    args = _inputs(batch, q_heads, kv_heads, 1, past, 1, head_dim, dtype, SPECS[specs], seed=past + head_dim)
+    _check(args, None, False, SPECS[specs], dtype)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_with_padding_mask(mask_kind, dtype):
+    """Left padding: each sequence of the batch has a different number of valid keys."""
+    batch, past = 3, 130
+    specs = KIVI
+    args = _inputs(batch, 8, 2, 1, past, 1, 64, dtype, specs, seed=7)
+    valid = torch.tensor([past + 1, past - 40, 3])
+    keep = torch.arange(past + 1)[None, :] >= (past + 1 - valid)[:, None]
+    attn_mask = keep[:, None, None, :]
+    if mask_kind == "additive":
+        attn_mask = torch.where(attn_mask, 0.0, torch.finfo(dtype).min).to(dtype)
+    _check(args, attn_mask, False, specs, dtype)
+
+
+PREFILL_CASES = [
+    # past, q_len, heads, head_dim, dtype, specs, mask: "causal" (is_causal), "chunk" (bool
+    # mask, new tokens causal among themselves and seeing the whole past), "bias" (float)
+    (0, 17, (8, 2), 64, torch.float16, "kivi", "causal"),
+    (0, 40, (4, 1), 128, torch.float32, "rotated", "causal"),
+    (64, 16, (8, 2), 64, torch.bfloat16, "kivi", "chunk"),
+    (65, 9, (2, 2), 128, torch.float16, "int2_int8", "chunk"),
+    (63, 33, (16, 2), 64, torch.float32, "token_groups", "chunk"),
+    (300, 5, (8, 1), 64, torch.float16, "rotated", "bias"),
+    (70, 20, (4, 2), 64, torch.float32, "kivi", "causal"),
+    (129, 3, (6, 3), 80, torch.float16, "kivi", "chunk"),
+]
+
+
+@pytest.mark.parametrize("past, q_len, heads, head_dim, dtype, specs, mask", PREFILL_CASES)
+def test_prefill_matches_reference(past, q_len, heads, head_dim, dtype, specs, mask):
+    batch = 2
+    q_heads, kv_heads = heads
+    args = _inputs(batch, q_heads, kv_heads, q_len, past, q_len, head_dim, dtype, SPECS[specs], seed=past + q_len)
+    total = past + q_len
+    attn_mask = None
+    if mask == "chunk":
+        rows = torch.arange(q_len)[:, None] + past
+        attn_mask = torch.arange(total)[None, :] <= rows
+    elif mask == "bias":
+        attn_mask = torch.randn(batch, q_heads, q_len, total, generator=torch.Generator().manual_seed(3)).to(dtype)
+    _check(args, attn_mask, mask == "causal", SPECS[specs], dtype)
+
+
+def test_strided_output_and_fully_masked_row():
+    """A row with every key masked is zero (as SDPA); ``out`` may be any view."""
+    dtype = torch.float32
+    args = _inputs(2, 4, 2, 3, 65, 3, 64, dtype, KIVI, seed=11)
+    attn_mask = torch.ones(2, 4, 3, 68, dtype=torch.bool)
+    attn_mask[1, 2, 0] = False
+    out = torch.empty(2, 3, 4, 64, dtype=dtype).transpose(1, 2)
+    _check(args, attn_mask, False, KIVI, dtype, out=out)
+    assert not out[1, 2, 0].any()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+def test_non_finite_stored_group_matches_reference():
+    dtype = torch.float32
+    args = list(_inputs(1, 4, 2, 1, 130, 1, 64, dtype, KIVI, seed=5))
+    args[2] = args[2].clone()
+    args[2][0, 1, 1, 7] = float("nan")  # one K channel group of the second KV head
+    args[5] = args[5].clone()
+    args[5][0, 0, 100, 0] = float("nan")  # one V token of the first KV head
+    scale = 64**-0.5
+    expected = reference.attention(*args, None, scale, False, *KIVI)
+    assert expected[0, 2:].isnan().all() and expected[0, :2].isnan().all()  # poison is visible, not hidden
+    out = attention(*args, None, scale, False, *KIVI)
+    torch.testing.assert_close(out, expected, equal_nan=True, **TOLERANCE[dtype])
+
+
+def test_attention_rejects_bad_shapes():
+    args = list(_inputs(1, 6, 4, 1, 10, 1, 64, torch.float32, KIVI, seed=0))
+    with pytest.raises(ValueError, match=r"query heads \(6\) must be a multiple of KV heads \(4\)"):
+        attention(*args, None, 0.125, False, *KIVI)
+    args = list(_inputs(1, 4, 2, 1, 10, 1, 64, torch.float32, KIVI, seed=0))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        attention(*args, torch.ones(1, 1, 1, 5, dtype=torch.bool), 0.125, False, *KIVI)
