@@ -38,7 +38,7 @@ def rewrite_then(inner_compiler, config: KVConfig):
     The returned callable keeps a :class:`CompiledGraph` per graph in ``.graphs``.
     """
 
-    def kv4_compiler(gm: torch.fx.GraphModule, example_inputs):
+    def kv4_compiler(gm: torch.fx.GraphModule, example_inputs, **compile_options):
         name = f"graph_{next(_graph_ids)}"
         before = debug.normalize_graph_code(gm)
         sites = passes.rewrite(gm, config)
@@ -49,7 +49,7 @@ def rewrite_then(inner_compiler, config: KVConfig):
                 log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
         if debug.debug_requested(config.debug):
             debug.report(record.name, record.before, record.after, sites, config.debug_dir)
-        return inner_compiler(gm, example_inputs)
+        return inner_compiler(gm, example_inputs, **compile_options)
 
     kv4_compiler.graphs = []
     kv4_compiler.config = config
@@ -57,9 +57,26 @@ def rewrite_then(inner_compiler, config: KVConfig):
 
 
 def _inner(name: str):
-    if name == "eager":
-        return lambda gm, example_inputs: gm.forward
-    return lookup_backend(name)
+    """The inner compiler; ``mode``/``options`` of ``torch.compile`` reach it as keywords."""
+    if name == "inductor":
+        return _inductor
+    backend = lookup_backend(name) if name != "eager" else (lambda gm, example_inputs: gm.forward)
+
+    def without_options(gm, example_inputs, mode=None, options=None):
+        if mode or options:
+            log.debug("kvpass: inner compiler %s ignores mode=%r options=%r", name, mode, options)
+        return backend(gm, example_inputs)
+
+    return without_options
+
+
+def _inductor(gm, example_inputs, mode=None, options=None):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    # What torch.compile(backend="inductor", mode=...) would do for a built-in backend.
+    patches = {**list_mode_options(mode), **(options or {})}
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def kv4(

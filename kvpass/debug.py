@@ -15,15 +15,23 @@ log = logging.getLogger("kvpass")
 _DEBUG_ENV = "KVPASS_DEBUG"
 _DEBUG_DIR_ENV = "KVPASS_DEBUG_DIR"
 
-# Dynamo names a parameter after its access path: l_args_0_modules_model_modules_layers_
+# Dynamo names a graph input after its access path: l_args_0_modules_model_modules_layers_
 # modules_0_..._parameters_weight_. The dotted module path says the same in a third of the width.
-_NAME_REWRITES = [
-    (re.compile(r"\bl_(?:args_0|self)_modules_"), ""),
+_DYNAMO_NAME = re.compile(r"\b[lL]_\w+")
+_NAME_PARTS = [
+    (re.compile(r"^[lL]_(?:args_0|self)_modules_"), ""),
+    (re.compile(r"^[lL]_kwargs_"), ""),
     (re.compile(r"_modules_"), "."),
     (re.compile(r"_(?:parameters|buffers)_"), "."),
-    (re.compile(r"\bl_kwargs_"), ""),
-    (re.compile(r"(\w)_\b"), r"\1"),
+    (re.compile(r"_$"), ""),
 ]
+
+
+def _short_name(match: re.Match) -> str:
+    name = match.group(0)
+    for pattern, repl in _NAME_PARTS:
+        name = pattern.sub(repl, name)
+    return name
 
 
 def debug_requested(option: bool) -> bool:
@@ -43,8 +51,7 @@ def normalize_graph_code(gm: fx.GraphModule) -> str:
             continue
         if line.startswith("def forward"):
             line = "def forward(" + ", ".join(n.name for n in gm.graph.find_nodes(op="placeholder")) + "):"
-        for pattern, repl in _NAME_REWRITES:
-            line = pattern.sub(repl, line)
+        line = _DYNAMO_NAME.sub(_short_name, line)
         lines.append(line)
     return "\n".join(lines) + "\n"
 

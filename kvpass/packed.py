@@ -207,9 +207,11 @@ def _slice_impl(func, args, kwargs):
     if not _seq_dim(dim):
         return NotImplemented
     start, end, _ = slice(start, end).indices(t.shape[2])
-    if start != 0:
-        return NotImplemented
-    return _crop(t, end)
+    if start == 0:
+        return _crop(t, end)
+    if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
+        return PackedKV(t.codes[:, :, start:end], t.scales[:, :, start:end], t.residual[:, :, :0], t.spec)
+    return NotImplemented
 
 
 def _crop(t: PackedKV, length: int) -> PackedKV:

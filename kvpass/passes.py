@@ -9,6 +9,8 @@ node shapes:
   (decode graphs) or a plain ``[B, H, S, D]`` float tensor (a cache filled elsewhere);
 * view chain: nothing (SDPA with or without ``enable_gqa``), or ``x[:, :, None]`` ->
   ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant;
+* besides attention the written cache may only be returned (the cache object keeps it)
+  or sliced along the sequence and returned (a sliding-window layer's eviction);
 * SDPA: ``dropout_p == 0``, any ``attn_mask``, ``is_causal`` and ``scale``.
 
 The prefill attention keeps its SDPA, over the exact new tokens; only the stored cache
@@ -57,6 +59,8 @@ class _CacheWrite:
     past: fx.Node | None  # None: the empty tensor of a fresh DynamicCache layer
     new: fx.Node
     chain: list[fx.Node]  # view nodes between the cat and SDPA, nearest to SDPA first
+    # `full[:, :, -(window - 1):]` of a sliding-window layer: what it keeps for later steps
+    evictions: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def _val(node):
@@ -136,15 +140,28 @@ def _cache_write(sdpa_arg: fx.Node, role: str) -> _CacheWrite:
     allowed_users = set(chain[-1:]) | {n for n in root.users if n.op == "output"}
     if chain == []:
         allowed_users |= {n for n in root.users if n.op == "call_function" and n.target in SDPA_TARGETS}
-    others = [n.name for n in root.users if n not in allowed_users]
+    evictions = [n for n in root.users if _is_stored_sequence_slice(n)]
+    others = [n.name for n in root.users if n not in allowed_users and n not in evictions]
     if others:
         raise NoMatch(f"{role} cache {root.name} is also read by {', '.join(others)}, which would need it as fp16")
     if _is_empty_tensor_ctor(past):
-        return _CacheWrite(root, None, new, chain)
+        return _CacheWrite(root, None, new, chain, evictions)
     past_val = _val(past)
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
-    return _CacheWrite(root, past, new, chain)
+    return _CacheWrite(root, past, new, chain, evictions)
+
+
+def _is_stored_sequence_slice(node: fx.Node) -> bool:
+    """``x[:, :, a:b, :]`` (a slice of the sequence only) whose result only goes to the cache."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    index = node.args[1]
+    if not isinstance(index, tuple) or len(index) < 3 or not isinstance(index[2], slice):
+        return False
+    full = slice(None, None, None)
+    others_full = all(i == full or i is Ellipsis for j, i in enumerate(index) if j != 2)
+    return others_full and index[2].step in (None, 1) and all(u.op == "output" for u in node.users)
 
 
 def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
@@ -160,6 +177,11 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
             raise NoMatch(str(err)) from None
     if spec.rotate and D & (D - 1):
         raise NoMatch(f"{role} head_dim {D} is not a power of two, so it cannot be Hadamard-rotated")
+    if write.evictions and spec.scheme == "channel":
+        raise NoMatch(
+            f"{role} is a sliding-window cache: evicting tokens from the front breaks per-channel groups "
+            f"of {spec.group} tokens; use {role.lower()}_scheme='token' for such layers"
+        )
 
 
 def _match(sdpa: fx.Node, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite, dict]:
@@ -185,7 +207,7 @@ def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -
     # The attention chain reads the exact new tokens (prefill) or is dropped (decode);
     # every other reader (the graph output, i.e. the cache object) gets the packed cache.
     for user in list(write.cat.users):
-        if user.op == "output":
+        if user.op == "output" or user in write.evictions:
             user.replace_input_with(write.cat, packed)
 
 

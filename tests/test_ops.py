@@ -1,0 +1,62 @@
+"""The kv4:: custom ops: opcheck (schema, fake, dispatch) and the CPU memory property."""
+
+import pytest
+import torch
+
+from kvpass import ops, reference
+from kvpass.config import QuantSpec
+
+KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
+ROTATED = (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True))
+
+
+def _stored(x, spec):
+    n = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
+    stored = reference.rotate(x) if spec.rotate else x
+    codes, scales = ops.quantize(x[:, :, :n], *ops.spec_args(spec))
+    return codes, scales, stored[:, :, n:]
+
+
+def _attention_args(past, new, specs, mask=False, dtype=torch.float32):
+    torch.manual_seed(past + new)
+    k_spec, v_spec = specs
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    q = torch.randn(B, Hq, new, D, dtype=dtype)
+    k, v = torch.randn(B, Hkv, past, D, dtype=dtype), torch.randn(B, Hkv, past, D, dtype=dtype)
+    k_new, v_new = torch.randn(B, Hkv, new, D, dtype=dtype), torch.randn(B, Hkv, new, D, dtype=dtype)
+    attn_mask = torch.rand(B, 1, new, past + new) > 0.3 if mask else None
+    return (
+        q, *_stored(k, k_spec), *_stored(v, v_spec), k_new, v_new, attn_mask, 0.125, new > 1,
+        *ops.spec_args(k_spec), *ops.spec_args(v_spec),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", [KIVI[0], KIVI[1], QuantSpec(2, "token", 32, True), QuantSpec(8, "channel", 32)])
+def test_opcheck_quantize_and_dequantize(spec):
+    x = torch.randn(2, 3, 64, 64)
+    torch.library.opcheck(ops.quantize, (x, *ops.spec_args(spec)))
+    codes, scales = ops.quantize(x, *ops.spec_args(spec))
+    torch.library.opcheck(ops.dequantize, (codes, scales, x[:, :, :5], *ops.spec_args(spec)))
+
+
+@pytest.mark.parametrize("specs", [KIVI, ROTATED], ids=["kivi", "rotated"])
+@pytest.mark.parametrize("past, new, mask", [(0, 4, False), (70, 1, False), (130, 3, True)])
+def test_opcheck_attention(specs, past, new, mask):
+    torch.library.opcheck(ops.attention, _attention_args(past, new, specs, mask))
+
+
+def test_cpu_attention_never_dequantizes_more_than_a_block(monkeypatch):
+    """The whole fp cache is never materialised: each dequantization covers one block."""
+    largest = []
+    original = reference.dequantize
+
+    def recording(codes, *args, **kwargs):
+        largest.append(codes.shape[2])
+        return original(codes, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "dequantize", recording)
+    args = _attention_args(past=1000, new=1, specs=KIVI)
+    out = ops.attention(*args)
+    block = reference._block_tokens(*KIVI)
+    assert len(largest) >= 1000 // block and max(largest) <= block < 1000
+    assert out.shape == (2, 4, 1, 64) and out.isfinite().all()
