@@ -115,7 +115,7 @@ def _load_block(
 
 @triton.autotune(
     configs=_CONFIGS,
-    key=["BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL", "MASK_KIND", "IS_CAUSAL"],
+    key=["BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL", "MASK_KIND", "IS_CAUSAL", "SOFTCAP"],
 )
 @triton.jit
 def _partial_attention_kernel(
@@ -130,8 +130,8 @@ def _partial_attention_kernel(
     M_OUT, L_OUT, ACC_OUT,
     n_kv_heads, rep, n_rows, head_dim, head_dim_v,
     n_keys, n_quant_k, n_quant_v, col_offset, split_len, split_base, n_splits_total,
-    sm_scale,
-    HAS_CODES: tl.constexpr,
+    sm_scale, softcap,
+    HAS_CODES: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr,
     V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -186,6 +186,10 @@ def _partial_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * sm_scale
+        if SOFTCAP:
+            # softcap * tanh(s / softcap), with tanh from one exp of a non-positive number
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            s = tl.where(s >= 0, 1.0, -1.0) * softcap * (1.0 - e) / (1.0 + e)
 
         cols = col_offset + pos
         attend = key_ok[None, :]
@@ -328,6 +332,7 @@ def attention(
     is_causal: bool,
     k_spec: QuantSpec,
     v_spec: QuantSpec,
+    softcap: float = 0.0,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -337,7 +342,8 @@ def attention(
     :mod:`kvpass.reference`) holds ``P`` tokens; ``k_new``/``v_new [B, Hkv, T_new, D]`` are
     exact. ``Hq`` a multiple of ``Hkv``; ``attn_mask`` (bool: True attends; float: added)
     broadcasts to ``[B, Hq, T, P + T_new]``; ``is_causal`` is SDPA's top-left causal mask.
-    ``out [B, Hq, T, Dv]`` (any strides, dtype of ``q``) receives the result if given.
+    ``softcap > 0`` soft-caps the scaled scores. ``out [B, Hq, T, Dv]`` (any strides, dtype of
+    ``q``) receives the result if given.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Hq, T, D], got shape {list(q.shape)}")
@@ -405,7 +411,7 @@ def attention(
         # closest it can check (the bf16 rounding of the operands is then only on GPU).
         dot_dtype = tl.float32
     common = dict(
-        MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), DOT_DTYPE=dot_dtype,
+        MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), DOT_DTYPE=dot_dtype, SOFTCAP=softcap > 0,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_DV=block_dv,
         K_BITS=k_spec.bits, K_CHANNEL=k_spec.scheme == "channel",
         V_BITS=v_spec.bits, V_CHANNEL=v_spec.scheme == "channel",
@@ -424,7 +430,7 @@ def attention(
             partial_m, partial_l, partial_acc,
             *sizes,
             past, k_codes.shape[2], v_codes.shape[2], 0, past_split_len, 0, n_splits,
-            float(scale),
+            float(scale), float(softcap),
             HAS_CODES=True,
             K_GROUP=k_spec.token_group(D) if k_spec.scheme == "token" else k_spec.group,
             V_GROUP=v_spec.token_group(Dv) if v_spec.scheme == "token" else v_spec.group,
@@ -443,7 +449,7 @@ def attention(
             partial_m, partial_l, partial_acc,
             *sizes,
             T_new, 0, 0, past, new_split_len, past_splits, n_splits,
-            float(scale),
+            float(scale), float(softcap),
             HAS_CODES=False, K_GROUP=1, V_GROUP=1,
             **common,
         )

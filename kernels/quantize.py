@@ -196,10 +196,6 @@ def quantize(
     if spec.scheme == "token":
         group = spec.token_group(D)
         n_groups = D // group
-        if group & (group - 1):
-            # A group clipped to a non-power-of-two head_dim is the whole row; its zero
-            # padding up to BLOCK_D changes no amax, and Triton blocks are powers of two.
-            group = block_d
         # About 4K elements per program: enough rows to hide latency at head_dim 64-256.
         block_s = min(triton.next_power_of_2(S), max(1, 4096 // block_d))
         grid = (B * H, triton.cdiv(S, block_s))

@@ -15,8 +15,6 @@ from kvpass.config import KVConfig, QuantSpec
 
 log = logging.getLogger("kvpass")
 
-_graph_ids = itertools.count()
-
 
 @dataclasses.dataclass
 class CompiledGraph:
@@ -38,8 +36,10 @@ def rewrite_then(inner_compiler, config: KVConfig):
     The returned callable keeps a :class:`CompiledGraph` per graph in ``.graphs``.
     """
 
+    graph_ids = itertools.count()
+
     def kv4_compiler(gm: torch.fx.GraphModule, example_inputs, **compile_options):
-        name = f"graph_{next(_graph_ids)}"
+        name = f"graph_{next(graph_ids)}"
         before = debug.normalize_graph_code(gm)
         sites = passes.rewrite(gm, config)
         record = CompiledGraph(name, before, debug.normalize_graph_code(gm), sites)
@@ -79,27 +79,33 @@ def _inductor(gm, example_inputs, mode=None, options=None):
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+_DEFAULT = KVConfig()
+
+
 def kv4(
     *,
     bits: int = 4,
-    k_scheme: str = "channel",
-    k_group: int = 64,
-    k_rotate: bool = False,
-    v_scheme: str = "token",
-    v_group: int = 128,
-    v_rotate: bool = False,
+    k_scheme: str = _DEFAULT.k.scheme,
+    k_group: int = _DEFAULT.k.group,
+    k_rotate: bool = _DEFAULT.k.rotate,
+    v_scheme: str = _DEFAULT.v.scheme,
+    v_group: int = _DEFAULT.v.group,
+    v_rotate: bool = _DEFAULT.v.rotate,
     k_bits: int | None = None,
     v_bits: int | None = None,
-    inner: str = "eager",
+    inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
 ):
     """A kv4 backend with non-default settings, for ``torch.compile(model, backend=kv4(...))``.
 
-    ``bits`` sets both K and V unless ``k_bits``/``v_bits`` say otherwise. ``inner`` is the
-    compiler the rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"``
-    or ``"inductor"``. ``debug`` logs each graph's diff and site table through the
-    ``kvpass`` logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
+    ``bits`` sets both K and V unless ``k_bits``/``v_bits`` say otherwise. ``*_scheme`` is
+    ``"token"`` (groups of channels per token) or ``"channel"`` (K only: groups of tokens
+    per channel, KIVI-style, with an unquantized residual); ``*_rotate`` applies a Hadamard
+    rotation of the head dimension before quantizing. ``inner`` is the compiler the
+    rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
+    ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
+    logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
     Raises ``ValueError`` naming any setting outside what is accepted.
     """
     config = KVConfig(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -56,22 +57,21 @@ class QuantSpec:
         return 2 ** (self.bits - 1) - 1
 
     def token_group(self, head_dim: int) -> int:
-        """Channel-group size for a per-token scheme, clipped to the head dimension."""
-        group = min(self.group, head_dim)
-        if head_dim % group:
-            raise ValueError(
-                f"head_dim {head_dim} is not a multiple of the V/K channel group {group}; "
-                f"use a group that divides {head_dim}"
-            )
-        return group
+        """Channel-group size of a per-token scheme for this head_dim.
+
+        The largest power of two that divides both ``group`` and ``head_dim``: 64 at
+        head_dim 128, 16 at head_dim 80 (more scale overhead, but every head_dim works).
+        """
+        return math.gcd(self.group, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
-    k: QuantSpec = QuantSpec(bits=4, scheme="channel", group=64)
-    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=128)
+    # Chosen by measured streaming perplexity on SmolLM2 (docs/eval.md, docs/design.md).
+    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
+    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.
     debug: bool = False

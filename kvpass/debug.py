@@ -65,13 +65,13 @@ def graph_diff(before: str, after: str, name: str = "graph") -> str:
 
 
 def site_table(reports) -> str:
-    rows = [("site", "module", "phase", "kv cache", "reason")]
+    rows = [("site", "module", "form", "phase", "kv cache", "reason")]
     for r in reports:
-        rows.append((str(r.index), r.module, r.phase, "int4" if r.rewritten else "fp16", r.reason))
+        rows.append((str(r.index), r.module, r.form, r.phase, "int4" if r.rewritten else "fp16", r.reason))
     if len(rows) == 1:
-        rows.append(("-", "-", "-", "-", "no attention (SDPA) call in this graph"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows)
+        rows.append(("-", "-", "-", "-", "-", "no attention (SDPA or matmul-softmax-matmul) in this graph"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 

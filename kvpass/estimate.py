@@ -8,11 +8,12 @@ others), how many tokens a sliding-window layer keeps, and how many KV heads the
 ``kvpass.models_zoo`` name, or a ``PretrainedConfig``) or from explicit
 ``(layers, kv_heads, head_dim)``.
 
-kv4 is costed as the backend stores it: 4-bit codes plus one 16-bit scale per group, K
-grouped over ``k_group`` tokens of one channel and V over ``min(v_group, head_dim)``
-channels of one token. Tokens of a K group that is not full yet wait unquantized; that
-residual (under ``k_group`` tokens per layer) is left out, as it is negligible at the
-context lengths where the cache matters. fp8 and int8 are costed without scales.
+kv4 is costed as the backend's default stores it: 4-bit codes plus one 16-bit scale per
+group. A per-token group spans ``gcd(group, head_dim)`` channels of one token (64 at
+head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
+channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
+left out, as it is negligible at the context lengths where the cache matters. fp8 and int8
+are costed without scales.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import logging
 import os
 from pathlib import Path
@@ -34,8 +36,9 @@ FORMATS = ("fp16", "fp8", "int8", "kv4")
 _FIXED_BITS = {"fp16": 16, "fp8": 8, "int8": 8}
 SCALE_BITS = 16
 # Follow the backend's defaults so the table describes what `kv4()` actually stores.
-K_GROUP = KVConfig().k.group
-V_GROUP = KVConfig().v.group
+_DEFAULT = KVConfig()
+K_GROUP = _DEFAULT.k.group
+V_GROUP = _DEFAULT.v.group
 
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
 DEFAULT_BATCHES = (1,)
@@ -103,7 +106,15 @@ def element_bits(
         return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
-    return 4 + SCALE_BITS / k_group, 4 + SCALE_BITS / min(v_group, sizes.v_head_dim)
+    return (
+        4 + SCALE_BITS / _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim),
+        4 + SCALE_BITS / _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim),
+    )
+
+
+def _scale_span(scheme: str, group: int, head_dim: int) -> int:
+    """Elements sharing one scale: channels of a token, or tokens of a channel."""
+    return math.gcd(group, head_dim) if scheme == "token" else group
 
 
 def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> float:
@@ -399,7 +410,9 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         else f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}"
     )
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
-    v_span = min(v_group, sizes.v_head_dim)
+    k_span = _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim)
+    v_span = _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim)
+    k_unit = "channels per token" if _DEFAULT.k.scheme == "token" else "tokens per channel"
     lines = [
         f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, "
         f"{_plural(sizes.kv_heads, 'KV head')}, {dims}",
@@ -407,7 +420,7 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         + ", ".join(
             f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
         ),
-        f"kv4: K {k_bits:g} bits/element (scale per {k_group} tokens per channel), "
+        f"kv4: K {k_bits:g} bits/element (scale per {k_span} {k_unit}), "
         f"V {v_bits:g} bits/element (scale per {v_span} channels per token); "
         "fp8/int8 without scales",
         *sizes.notes,

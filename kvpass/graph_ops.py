@@ -47,13 +47,17 @@ def kv4_sdpa(
     is_causal: bool,
     k_spec: str,
     v_spec: str,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored."""
+    """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored.
+
+    ``softcap`` is Gemma-2's ``cap * tanh(scores / cap)``, found in eager attention graphs.
+    """
     k_spec_, v_spec_ = _spec(k_spec), _spec(v_spec)
     k, v = _as_packed(past_k, k_spec_), _as_packed(past_v, v_spec_)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return ops.attention(
         q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, scale, is_causal,
-        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_),
+        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
     )  # fmt: skip

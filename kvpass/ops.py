@@ -109,25 +109,26 @@ def attention(
     v_scheme: str,
     v_group: int,
     v_rotate: bool,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`."""
     return reference.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        QuantSpec(k_bits, k_scheme, k_group, k_rotate), QuantSpec(v_bits, v_scheme, v_group, v_rotate),
+        QuantSpec(k_bits, k_scheme, k_group, k_rotate), QuantSpec(v_bits, v_scheme, v_group, v_rotate), softcap,
     )  # fmt: skip
 
 
 @attention.register_fake
-def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *spec):
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
 
 
 @attention.register_kernel("cuda")
-def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *spec):
-    k_spec, v_spec = QuantSpec(*spec[:4]), QuantSpec(*spec[4:])
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
+    k_spec, v_spec, softcap = QuantSpec(*rest[:4]), QuantSpec(*rest[4:8]), rest[8]
     kernels = _triton_kernels()
     run = kernels.attention if kernels is not None else reference.attention
     return run(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        k_spec, v_spec,
+        k_spec, v_spec, softcap=softcap,
     )  # fmt: skip

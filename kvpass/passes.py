@@ -48,9 +48,27 @@ class NoMatch(Exception):
 class SiteReport:
     index: int
     module: str
+    form: str  # "sdpa" or "eager" (matmul -> softmax -> matmul)
     phase: str  # "prefill" (empty past) or "decode"
     rewritten: bool
     reason: str = ""
+
+
+@dataclasses.dataclass
+class _Attention:
+    """One attention computation, whatever form it was written in."""
+
+    output: fx.Node  # its result; every use of it moves to the fused op
+    nodes: list[fx.Node]  # the computation, erased once the fused op replaces it
+    query: fx.Node
+    key: fx.Node
+    key_reader: fx.Node  # the node that reads `key` (its first use inside attention)
+    value: fx.Node
+    value_reader: fx.Node
+    attn_mask: fx.Node | None
+    scale: float | None
+    is_causal: bool
+    softcap: float = 0.0
 
 
 @dataclasses.dataclass
@@ -123,8 +141,8 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return arg, []
 
 
-def _cache_write(sdpa_arg: fx.Node, role: str) -> _CacheWrite:
-    root, chain = _walk_view_chain(sdpa_arg)
+def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
+    root, chain = _walk_view_chain(arg)
     if not (root.op == "call_function" and root.target is torch.cat):
         raise NoMatch(f"{role} does not come from a cache write (torch.cat along the sequence); it is {root.format_node()}")
     tensors = root.args[0]
@@ -137,9 +155,7 @@ def _cache_write(sdpa_arg: fx.Node, role: str) -> _CacheWrite:
         raise NoMatch(f"{role} new tokens {getattr(new, 'name', new)} are not a 4-D [B, H, T, D] tensor")
     if not new_val.dtype.is_floating_point:
         raise NoMatch(f"{role} cache dtype {new_val.dtype} is not floating point")
-    allowed_users = set(chain[-1:]) | {n for n in root.users if n.op == "output"}
-    if chain == []:
-        allowed_users |= {n for n in root.users if n.op == "call_function" and n.target in SDPA_TARGETS}
+    allowed_users = {chain[-1] if chain else reader} | {n for n in root.users if n.op == "output"}
     evictions = [n for n in root.users if _is_stored_sequence_slice(n)]
     others = [n.name for n in root.users if n not in allowed_users and n not in evictions]
     if others:
@@ -170,31 +186,11 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
         raise NoMatch(f"{role} head_dim is symbolic ({D})")
     if D % (8 // spec.bits):
         raise NoMatch(f"{role} head_dim {D} cannot be packed {8 // spec.bits} codes per byte")
-    if spec.scheme == "token":
-        try:
-            spec.token_group(D)
-        except ValueError as err:
-            raise NoMatch(str(err)) from None
-    if spec.rotate and D & (D - 1):
-        raise NoMatch(f"{role} head_dim {D} is not a power of two, so it cannot be Hadamard-rotated")
     if write.evictions and spec.scheme == "channel":
         raise NoMatch(
             f"{role} is a sliding-window cache: evicting tokens from the front breaks per-channel groups "
             f"of {spec.group} tokens; use {role.lower()}_scheme='token' for such layers"
         )
-
-
-def _match(sdpa: fx.Node, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite, dict]:
-    args = _sdpa_args(sdpa)
-    if args["dropout_p"] != 0.0:
-        raise NoMatch(f"dropout_p={args['dropout_p']} (only inference attention, dropout 0, is rewritten)")
-    k = _cache_write(args["key"], "K")
-    v = _cache_write(args["value"], "V")
-    if (k.past is None) != (v.past is None):
-        raise NoMatch("K and V caches are in different states (one empty, one not)")
-    _check_packable(k, config.k, "K")
-    _check_packable(v, config.v, "V")
-    return k, v, args
 
 
 def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> None:
@@ -217,54 +213,182 @@ def _erase_if_dead(graph: fx.Graph, nodes):
             graph.erase_node(node)
 
 
+# --- the two forms of attention -----------------------------------------------------------
+
+
+def _sdpa_candidates(graph: fx.Graph):
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+
+
+def _match_sdpa(sdpa: fx.Node) -> _Attention:
+    args = _sdpa_args(sdpa)
+    if args["dropout_p"] != 0.0:
+        raise NoMatch(f"dropout_p={args['dropout_p']} (only inference attention, dropout 0, is rewritten)")
+    return _Attention(
+        sdpa, [sdpa], args["query"], args["key"], sdpa, args["value"], sdpa,
+        args["attn_mask"], args["scale"], bool(args["is_causal"]),
+    )  # fmt: skip
+
+
+SOFTMAX_TARGETS = (torch.nn.functional.softmax, torch.softmax)
+MATMUL_TARGETS = (torch.matmul, operator.matmul)
+
+
+def _is_call(node, targets=(), method=None) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    return (node.op == "call_function" and node.target in targets) or (node.op == "call_method" and node.target == method)
+
+
+def _softmax_candidates(graph: fx.Graph):
+    return [n for n in graph.nodes if _is_call(n, SOFTMAX_TARGETS, "softmax") and _probs_consumer(n) is not None]
+
+
+def _probs_consumer(softmax: fx.Node):
+    """The ``probs @ V`` matmul after softmax -> [to / type_as] -> [dropout], or None."""
+    node, passed = softmax, [softmax]
+    while len(node.users) == 1:
+        (user,) = node.users
+        if _is_call(user, (torch.nn.functional.dropout,), "to") or user.target in ("type", "type_as", "contiguous"):
+            node = user
+            passed.append(user)
+            continue
+        if _is_call(user, MATMUL_TARGETS) and user.args[0] is node:
+            return user, passed
+        return None
+    return None
+
+
+def _number(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _match_eager(softmax: fx.Node) -> _Attention:
+    """``matmul(q, k^T) * scale [-> softcap] [+ mask] -> softmax -> [to] [-> dropout] -> matmul(., v)``."""
+    out, probs_nodes = _probs_consumer(softmax)
+    dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
+    if dim not in (-1, 3):
+        raise NoMatch(f"softmax over dim {dim}, not the key dimension")
+    for node in probs_nodes:
+        if _is_call(node, (torch.nn.functional.dropout,)):
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+            if p != 0.0 and training:
+                raise NoMatch(f"attention dropout p={p} in training mode (only inference attention is rewritten)")
+    nodes = [out, *reversed(probs_nodes)]
+    scores = softmax.args[0]
+    attn_mask, softcap, scale = None, 0.0, 1.0
+    if _is_call(scores, (operator.add, torch.add), "add"):
+        lhs, rhs = scores.args[:2]
+        # the scores side is the one that leads to the q @ k^T matmul
+        scores_side = lhs if _leads_to_qk(lhs) else rhs
+        attn_mask = rhs if scores_side is lhs else lhs
+        nodes.append(scores)
+        scores = scores_side
+    if _is_call(scores, (operator.mul,)) and _is_call(scores.args[0], (torch.tanh,), "tanh"):
+        cap = _number(scores.args[1])
+        inner = scores.args[0].args[0]
+        if cap is None or not _is_call(inner, (operator.truediv,)) or _number(inner.args[1]) != cap:
+            raise NoMatch(f"scores pass through tanh at {scores.name} that is not cap * tanh(s / cap)")
+        nodes += [scores, scores.args[0], inner]
+        softcap, scores = float(cap), inner.args[0]
+    if _is_call(scores, (operator.mul, operator.truediv)):
+        factor = _number(scores.args[1])
+        if factor is None:
+            raise NoMatch(f"scores are scaled at {scores.name} by a tensor, not a constant")
+        scale = factor if scores.target is operator.mul else 1.0 / factor
+        nodes.append(scores)
+        scores = scores.args[0]
+    if not _is_call(scores, MATMUL_TARGETS):
+        raise NoMatch(f"softmax input {scores.name} is not q @ k^T (times a constant, plus a mask)")
+    query, k_t = scores.args[:2]
+    if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 4 for d in k_t.args[1:3]) == [2, 3]):
+        raise NoMatch(f"the keys of {scores.name} are not transposed over their last two dimensions")
+    nodes += [scores, k_t]
+    return _Attention(out, nodes, query, k_t.args[0], k_t, out.args[1], out, attn_mask, scale, False, softcap)
+
+
+def _leads_to_qk(node) -> bool:
+    for _ in range(6):  # through the scale and the soft-cap
+        if _is_call(node, MATMUL_TARGETS):
+            return True
+        if not isinstance(node, fx.Node) or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+# form -> (candidates in a graph, matcher); a candidate that does not match is reported.
+ATTENTION_FORMS = {
+    "sdpa": (_sdpa_candidates, _match_sdpa),
+    "eager": (_softmax_candidates, _match_eager),
+}
+
+
+def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite]:
+    k = _cache_write(attn.key, attn.key_reader, "K")
+    v = _cache_write(attn.value, attn.value_reader, "V")
+    if (k.past is None) != (v.past is None):
+        raise NoMatch("K and V caches are in different states (one empty, one not)")
+    _check_packable(k, config.k, "K")
+    _check_packable(v, config.v, "V")
+    return k, v
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node):
+    dst.meta.update({key: value for key, value in src.meta.items() if key in ("nn_module_stack", "stack_trace")})
+
+
+def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> str:
+    for write, spec in ((k, config.k), (v, config.v)):
+        _replace_cache_write(graph, write, spec)
+    prefill = k.past is None
+    if prefill:
+        # Attention over an empty past is attention over the new tokens, kept exact.
+        for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
+            (write.chain[-1] if write.chain else reader).replace_input_with(write.cat, write.new)
+    else:
+        with graph.inserting_before(attn.output):
+            fused = graph.call_function(
+                graph_ops.kv4_sdpa,
+                (attn.query, k.past, k.new, v.past, v.new),
+                {
+                    "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
+                    "k_spec": config.k.tag, "v_spec": config.v.tag,
+                    **({"softcap": attn.softcap} if attn.softcap else {}),
+                },
+            )  # fmt: skip
+        _copy_meta(attn.output, fused)
+        attn.output.replace_all_uses_with(fused)
+        _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
+    for write in (k, v):
+        past_ctor = write.cat.args[0][0]
+        _erase_if_dead(graph, [write.cat])
+        if write.past is None:
+            _erase_if_dead(graph, [past_ctor])
+    return "prefill" if prefill else "decode"
+
+
 def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
-    """Rewrite every matching attention site of ``gm`` in place; report every SDPA call."""
+    """Rewrite every matching attention site of ``gm`` in place; report every one found."""
     graph = gm.graph
+    candidates = [(node, form) for form, (find, _) in ATTENTION_FORMS.items() for node in find(graph)]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    candidates.sort(key=lambda c: order[c[0]])
     reports = []
-    sdpas = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
-    for index, sdpa in enumerate(sdpas):
-        module = _module_path(sdpa)
+    for index, (node, form) in enumerate(candidates):
+        module = _module_path(node)
         try:
-            k, v, args = _match(sdpa, config)
+            attn = ATTENTION_FORMS[form][1](node)
+            k, v = _match_cache(attn, config)
         except NoMatch as why:
-            reports.append(SiteReport(index, module, "?", False, str(why)))
-            log.debug("kvpass: site %d (%s) left fp16: %s", index, module, why)
+            reports.append(SiteReport(index, module, form, "?", False, str(why)))
+            log.debug("kvpass: site %d (%s, %s) left fp16: %s", index, module, form, why)
             counters["site_left_fp16"] += 1
             continue
-        prefill = k.past is None
-        for write, spec in ((k, config.k), (v, config.v)):
-            _replace_cache_write(graph, write, spec)
-        if prefill:
-            # Attention over an empty past is attention over the new tokens, kept exact.
-            for write in (k, v):
-                first_view = write.chain[-1] if write.chain else sdpa
-                first_view.replace_input_with(write.cat, write.new)
-            counters["prefill_site"] += 1
-        else:
-            with graph.inserting_before(sdpa):
-                fused = graph.call_function(
-                    graph_ops.kv4_sdpa,
-                    (args["query"], k.past, k.new, v.past, v.new),
-                    {
-                        "attn_mask": args["attn_mask"],
-                        "scale": args["scale"],
-                        "is_causal": args["is_causal"],
-                        "k_spec": config.k.tag,
-                        "v_spec": config.v.tag,
-                    },
-                )
-            fused.meta.update({k_: v_ for k_, v_ in sdpa.meta.items() if k_ in ("nn_module_stack", "stack_trace")})
-            sdpa.replace_all_uses_with(fused)
-            graph.erase_node(sdpa)
-            _erase_if_dead(graph, k.chain + v.chain)
-            counters["decode_site"] += 1
-        for write in (k, v):
-            past_ctor = write.cat.args[0][0]
-            _erase_if_dead(graph, [write.cat])
-            if write.past is None:
-                _erase_if_dead(graph, [past_ctor])
-        reports.append(SiteReport(index, module, "prefill" if prefill else "decode", True))
-        counters["site_rewritten"] += 1
+        phase = _rewrite_site(graph, attn, k, v, config)
+        reports.append(SiteReport(index, module, form, phase, True))
+        counters[f"{form}_{phase}_site"] += 1
     graph.lint()
     gm.recompile()
     return reports

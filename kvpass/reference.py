@@ -93,16 +93,17 @@ def error_bound(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _hadamard_cpu(n: int) -> torch.Tensor:
-    if n & (n - 1):
-        raise ValueError(f"rotate=True needs a power-of-two head_dim, got {n}")
+    # Sylvester's construction needs a power of two; other sizes (head_dim 80, 96) get
+    # Hadamard blocks of the largest power of two dividing n along the diagonal.
+    block = n & -n
     h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
+    while h.shape[0] < block:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).float()
+    return torch.block_diag(*[h / math.sqrt(block)] * (n // block)).float()
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
-    """Orthonormal, symmetric ``n x n`` Hadamard matrix (its own inverse), float32."""
+    """Orthonormal, symmetric ``n x n`` (block-)Hadamard matrix, its own inverse, float32."""
     return _hadamard_cpu(n).to(device)
 
 
@@ -194,6 +195,7 @@ def attention(
     is_causal: bool,
     k_spec: QuantSpec,
     v_spec: QuantSpec,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """SDPA of ``q`` over ``[stored past, new]`` without materialising the fp past.
 
@@ -202,7 +204,8 @@ def attention(
     ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``attn_mask`` broadcasts to
     ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
     top-left causal mask over the ``P + T_new`` keys. A row whose keys are all masked is
-    zero, as in torch's SDPA. The past is dequantized one block of
+    zero, as in torch's SDPA. ``softcap > 0`` caps scaled scores to
+    ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). The past is dequantized one block of
     tokens at a time with an online softmax, so memory is O(block), not O(P).
     """
     B, Hq, T, D = q.shape
@@ -229,6 +232,8 @@ def attention(
     def visit(k_blk, v_blk, q_blk, start, acc):
         nonlocal m, denom
         s = (q_blk @ k_blk.float().transpose(-1, -2)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         cols = torch.arange(start, start + k_blk.shape[2], device=q.device)[None, :]
         if is_causal:
             s = s.masked_fill(cols > rows, float("-inf"))

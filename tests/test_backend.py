@@ -52,7 +52,7 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     model = kv_heavy_llama()
     ids, nxt = _ids(100, batch=2), _ids(1, batch=2, seed=1)
 
-    reference = SimulatedKVCache(model.config.num_hidden_layers, k_spec, v_spec)
+    reference = SimulatedKVCache(model.config, k_spec, v_spec)
     model(input_ids=ids, past_key_values=reference, use_cache=True)
     expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
 

@@ -61,18 +61,17 @@ def test_mha_7b_512kib_per_token(tmp_path):
 
 
 def test_kv4_ratio_head_dim_128():
-    # K: 4 + 16/64 = 4.25 bits; V: 4 + 16/128 = 4.125 bits; fp16: 16 bits each.
+    # default: K and V in per-token groups of 64 channels, 4 + 16/64 = 4.25 bits; fp16 16 bits.
     ratio = kv_bytes_per_token((32, 8, 128), "kv4") / kv_bytes_per_token((32, 8, 128), "fp16")
-    assert ratio == (4.25 + 4.125) / 32 == 0.26171875
-    assert kv_bytes_per_token((32, 8, 128), "kv4") == 34304  # 33.5 KiB
-    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.1875 * GiB
+    assert ratio == (4.25 + 4.25) / 32 == 0.265625
+    assert kv_bytes_per_token((32, 8, 128), "kv4") == 34816  # 34 KiB
+    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB
 
 
-def test_kv4_v_group_clipped_to_head_dim():
-    # SmolLM2 head_dim 64: the V group of 128 channels is clipped to 64.
-    ratio = kv_bytes_per_token((30, 3, 64), "kv4") / kv_bytes_per_token((30, 3, 64), "fp16")
-    assert ratio == (4.25 + 4.25) / 32
-    assert kv_bytes_per_token((30, 3, 64), "fp16") == 22.5 * KiB
+def test_kv4_group_clipped_to_what_head_dim_allows():
+    # head_dim 80 (Phi-2): a group of 64 channels does not fit; gcd(64, 80) = 16 does.
+    ratio = kv_bytes_per_token((32, 32, 80), "kv4") / kv_bytes_per_token((32, 32, 80), "fp16")
+    assert ratio == (5 + 5) / 32
 
 
 def test_kv4_groups_overridable():
@@ -284,10 +283,10 @@ def test_format_table():
     assert (
         "131,072" in format_lines[2]
         and "16.00 GiB" in format_lines[2]
-        and "4.19 GiB" in format_lines[2]
+        and "4.25 GiB" in format_lines[2]
     )
     assert "32.00 GiB" in format_lines[3]
-    assert "73.8% (3.82x)" in format_lines[2]
+    assert "73.4% (3.76x)" in format_lines[2]
 
 
 def test_human_bytes():

@@ -146,15 +146,15 @@ def _inputs(batch, q_heads, kv_heads, q_len, past, new, head_dim, dtype, specs, 
     return q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_new, v_new
 
 
-def _check(args, attn_mask, is_causal, specs, dtype, out=None):
+def _check(args, attn_mask, is_causal, specs, dtype, out=None, softcap=0.0):
     q = args[0]
     scale = q.shape[-1] ** -0.5
-    expected = reference.attention(*args, attn_mask, scale, is_causal, *specs)
+    expected = reference.attention(*args, attn_mask, scale, is_causal, *specs, softcap)
     if out is None:
         out = torch.full(expected.shape, float("nan"), dtype=dtype)
     else:
         out.fill_(float("nan"))
-    result = attention(*args, attn_mask, scale, is_causal, *specs, out=out)
+    result = attention(*args, attn_mask, scale, is_causal, *specs, softcap, out=out)
     assert result is out
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -261,3 +261,13 @@ def test_attention_rejects_bad_shapes():
     args = list(_inputs(1, 4, 2, 1, 10, 1, 64, torch.float32, KIVI, seed=0))
     with pytest.raises(ValueError, match="does not broadcast"):
         attention(*args, torch.ones(1, 1, 1, 5, dtype=torch.bool), 0.125, False, *KIVI)
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_softcap_matches_reference(q_len):
+    # Gemma-2 caps scores at 50; a cap of 1 makes the tanh bite on these random scores.
+    dtype = torch.float32
+    args = _inputs(2, 4, 2, q_len, 70, q_len, 64, dtype, ROTATED, seed=q_len)
+    _check(args, None, q_len > 1, ROTATED, dtype, softcap=1.0)
+    capped = reference.attention(*args, None, 0.125, q_len > 1, *ROTATED, 1.0)
+    assert not torch.allclose(capped, reference.attention(*args, None, 0.125, q_len > 1, *ROTATED))
