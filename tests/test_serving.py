@@ -1,0 +1,94 @@
+"""What serving does with a cache: padded batches, beam search, cropping, fresh prompts.
+
+Each generation with kv4 must give the tokens of the eager model whose cache hands
+attention the same quantized past (SimulatedKVCache): kv4 is exact with respect to its
+own numerics, so any difference is a bug, not quantization noise.
+"""
+
+import pytest
+import torch
+
+import kvpass
+from kvpass.models_zoo import build
+from kvpass.packed import PackedKV
+from kvpass.simulate import SimulatedKVCache
+
+
+def _prompt(batch, length, seed=0):
+    return torch.randint(2, 200, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _simulated(model):
+    config = kvpass.kv4().config
+    return SimulatedKVCache(model.config, config.k, config.v)
+
+
+@pytest.fixture
+def compiled_llama():
+    torch._dynamo.reset()
+    model = build("llama")
+    model.compile(backend="kv4")
+    return model
+
+
+def test_left_padded_batch():
+    torch._dynamo.reset()
+    model = build("llama")
+    ids = _prompt(3, 40)
+    mask = torch.ones_like(ids)
+    mask[0, :9], mask[2, :3] = 0, 0
+    ids[mask == 0] = 0
+    expected = model.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=_simulated(model)
+    )
+    model.compile(backend="kv4")
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values.layers[0].keys, PackedKV)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_beam_search_reorders_the_packed_cache():
+    torch._dynamo.reset()
+    model = build("llama")
+    ids = _prompt(1, 30)
+    expected = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, past_key_values=_simulated(model))
+    model.compile(backend="kv4")
+    out = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values.layers[0].keys.shape[0] == 3
+    assert isinstance(out.past_key_values.layers[0].keys, PackedKV)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_kivi_residual_group_boundary_crossed_during_generation():
+    """K per-channel groups of 64: the residual fills and flushes while generating."""
+    torch._dynamo.reset()
+    model = build("llama")
+    backend = kvpass.kv4(k_scheme="channel", k_group=64, k_rotate=False)
+    ids = _prompt(1, 50)
+    expected = model.generate(
+        ids, max_new_tokens=40, do_sample=False,
+        past_key_values=SimulatedKVCache(model.config, backend.config.k, backend.config.v),
+    )  # fmt: skip
+    model.compile(backend=backend)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+    keys = out.past_key_values.layers[0].keys
+    assert keys.codes.shape[2] == 64 and keys.residual.shape[2] == 89 - 64
+    assert torch.equal(out.sequences, expected)
+
+
+def test_assisted_decoding_crops_the_packed_cache():
+    torch._dynamo.reset()
+    model, draft = build("llama"), build("llama", seed=1)
+    ids = _prompt(1, 30)
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=_simulated(model))
+    model.compile(backend="kv4")
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+
+
+def test_new_prompt_on_the_same_compiled_model_starts_clean(compiled_llama):
+    long_prompt, short_prompt = _prompt(1, 70), _prompt(1, 20, seed=3)
+    first = compiled_llama.generate(long_prompt, max_new_tokens=6, do_sample=False)
+    compiled_llama.generate(short_prompt, max_new_tokens=6, do_sample=False)
+    again = compiled_llama.generate(long_prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(first, again)
