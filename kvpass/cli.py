@@ -27,7 +27,7 @@ BENCHMARKS = {
 
 
 def _demo_arguments(parser):
-    parser.add_argument("--model", default="llama", help="models_zoo name (default: llama)")
+    parser.add_argument("--model", default="llama_hd128", help="models_zoo name (default: llama_hd128)")
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--new-tokens", type=int, default=40)
 

@@ -45,6 +45,16 @@ def llama() -> PretrainedConfig:
     )
 
 
+def llama_hd128() -> PretrainedConfig:
+    # A tiny Llama with Llama-3's real head_dim (128), so per-group scale overhead, and so
+    # the stored-bytes ratio, is what it is at scale (the other entries use head_dim 16).
+    return _cfg(
+        "llama", hidden_size=256, intermediate_size=256, num_hidden_layers=LAYERS,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        max_position_embeddings=POSITIONS,
+    )
+
+
 def mistral() -> PretrainedConfig:
     # Mistral-7B-v0.1: 32 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128,
     # sliding window 4096 on every layer.
@@ -196,6 +206,7 @@ def lfm2() -> PretrainedConfig:
 
 ZOO: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": llama,
+    "llama_hd128": llama_hd128,
     "mistral": mistral,
     "qwen2": qwen2,
     "gemma": gemma,
