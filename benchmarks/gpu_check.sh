@@ -12,4 +12,4 @@ unset TRITON_INTERPRET
 KVPASS_AUTOTUNE=0 python benchmarks/gpu_check.py
 
 mkdir -p "${OUT:-benchmarks}"
-python benchmarks/bench_attention.py --output "${OUT:-benchmarks}/bench_attention.md" "$@"
+kvpass bench attention --output "${OUT:-benchmarks}/bench_attention.md" "$@"

@@ -6,7 +6,7 @@ device-to-device copy bandwidth measured in the same run. Both kv4 methods read 
 int4 cache, so they share a roofline; dequantize-then-SDPA (what HF's QuantizedCache does)
 shows how far from it a non-fused path lands.
 
-    python benchmarks/bench_attention.py [--batch 1 8] [--context 4096 16384 32768 65536] [--output results.md]
+    kvpass bench attention [--batch 1 8] [--context 4096 16384 32768 65536] [--output results.md]
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from kvpass.config import KVConfig
 L2_FLUSH_BYTES = 256 << 20
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser):
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     parser.add_argument("--q-heads", type=int, default=32)
@@ -36,7 +35,6 @@ def _parse(argv):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--output", help="also write the results here: .json for records, anything else as markdown")
-    return parser.parse_args(argv)
 
 
 def _time_ms(fn, warmup, iters, flush):
@@ -148,10 +146,9 @@ def _markdown(rows, bandwidth, device_name):
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
+def run(args) -> int:
     if not torch.cuda.is_available():
-        print("bench_attention: no CUDA device; this benchmark times GPU kernels and has nothing to measure on CPU", file=sys.stderr)
+        print("kvpass bench attention: no CUDA device; this benchmark times GPU kernels and has nothing to measure on CPU", file=sys.stderr)
         return 1
     if args.q_heads % args.kv_heads:
         print(f"--q-heads ({args.q_heads}) must be a multiple of --kv-heads ({args.kv_heads})", file=sys.stderr)
@@ -176,4 +173,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
