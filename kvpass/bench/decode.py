@@ -1,0 +1,168 @@
+"""``kvpass bench decode``: per-token decode latency against context length, on CPU.
+
+For each method and context: fill a cache to the context, run ``--warmup`` decode steps
+(they include compilation for the compiled methods), then time ``--steps`` single-token
+decode steps one by one and report their median (and the 10-90% range). Ratios are to
+the ``fp`` (eager ``DynamicCache``) median measured in the same run at the same context.
+
+Methods: ``fp`` (eager DynamicCache), ``fp-compiled`` (``torch.compile(backend="eager")``
+over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), ``kv4``
+(``torch.compile(model, backend=kvpass.kv4())``, default settings), ``quanto`` (HF
+``QuantizedCache``, quanto int4, eager).
+
+``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
+``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
+prefill); ``--fill real`` prefills through the compiled model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
+_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "quanto": "quanto"}
+
+
+def _pack(cache, backend_config):
+    from kvpass.packed import PackedKV
+
+    for layer in cache.layers:
+        layer.keys = PackedKV.from_float(layer.keys, backend_config.k)
+        layer.values = PackedKV.from_float(layer.values, backend_config.v)
+    return cache
+
+
+@torch.no_grad()
+def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps: int = 10, fill: str = "fast",
+            chunk: int = 256) -> dict:  # fmt: skip
+    import kvpass
+    from kvpass import bench
+    from transformers import DynamicCache
+
+    how = _HOW[method]
+    step, new_cache = bench.stepper(model, how)
+    vocab = model.config.vocab_size
+    t0 = time.perf_counter()
+    if how == "kv4" and fill == "fast":
+        cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab)
+        cache = _pack(cache, kvpass.kv4().config)
+    else:
+        cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
+    fill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        cache = bench.decode_step(step, cache, batch)
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        cache = bench.decode_step(step, cache, batch)
+        times.append(time.perf_counter() - t)
+    if how == "kv4":
+        from kvpass.packed import PackedKV
+
+        if not isinstance(cache.layers[0].keys, PackedKV):
+            raise RuntimeError("kv4 did not take effect: the cache holds plain tensors")
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return dict(
+        method=method, ctx=ctx, batch=batch, median_ms=1e3 * statistics.median(times), p10_ms=1e3 * q(0.1),
+        p90_ms=1e3 * q(0.9), steps=steps, warmup=warmup, fill_s=fill_s, warmup_s=warmup_s,
+        stored_bytes=bench.stored_bytes(cache),
+    )  # fmt: skip
+
+
+def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None,
+             chunk=256, progress=False) -> list[dict]:  # fmt: skip
+    from tqdm.auto import tqdm
+
+    from kvpass import bench
+
+    model = bench.build_model(dtype, **(sizes or {}))
+    rows = []
+    jobs = [(m, c) for m in methods for c in contexts]
+    for method, ctx in tqdm(jobs, disable=not progress, file=sys.stderr, desc="decode"):
+        try:
+            row = measure(model, method, ctx, batch, warmup, steps, fill, chunk)
+        except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
+            first = (str(exc).strip().splitlines() or [""])[0]
+            row = dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
+        rows.append(row)
+        if method in ("kv4", "fp-compiled"):
+            torch._dynamo.reset()
+    base = {r["ctx"]: r["median_ms"] for r in rows if r["method"] == "fp" and "median_ms" in r}
+    for r in rows:
+        if "median_ms" in r and r["ctx"] in base:
+            r["ratio_fp"] = r["median_ms"] / base[r["ctx"]]
+    return rows
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    header = ["method", "batch", "ctx", "median ms/token", "p10-p90 ms", "x fp", "fill (s)", "warm-up (s)"]
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["method"], str(r["batch"]), str(r["ctx"]), r["error"], "", "", "", ""])
+            continue
+        lines.append([
+            r["method"], str(r["batch"]), str(r["ctx"]), f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}",
+            f"{r['ratio_fp']:.2f}" if "ratio_fp" in r else "", f"{r['fill_s']:.1f}", f"{r['warmup_s']:.1f}",
+        ])  # fmt: skip
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in lines])
+    widths = [max([len(h)] + [len(c[i]) for c in lines]) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated (default {DEFAULT_METHODS})")
+    parser.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
+    parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps (default 10)")
+    parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--markdown", metavar="PATH")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args) -> int:
+    from kvpass import bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in _HOW:
+            raise SystemExit(f"unknown method {m!r}; use some of {list(_HOW)}")
+    contexts = bench.parse_ints(args.contexts) + ([16384] if args.long else [])
+    t0 = time.perf_counter()
+    rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, getattr(torch, args.dtype),
+                    dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress)  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    print(format_table(rows))
+    argv = sys.argv[1:]
+    command = "kvpass bench decode " + " ".join(argv[argv.index("decode") + 1 :] if "decode" in argv else argv)
+    info = dict(command=command, elapsed_s=elapsed, dtype=args.dtype, threads=torch.get_num_threads(),
+                torch=torch.__version__, rows=rows)  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"Command: `{command}` ({elapsed:.0f} s)\n\n{format_table(rows, markdown=True)}\n")
+    return 0

@@ -1,0 +1,199 @@
+"""``kvpass bench memory``: stored KV bytes per token and peak process memory against context.
+
+Each configuration (cache kind x context x batch) runs in a fresh Python subprocess, so its
+peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the kernel's high-water
+mark) belongs to it alone. In the subprocess: build the KV-dominated random-weight Llama of
+:mod:`kvpass.bench`, warm up (compile, for kv4) on a short sequence, read the high-water
+mark, then fill a fresh cache to the context in chunks of 256 tokens and decode a few
+tokens, and read it again. Reported: the bytes the cache stores (counted from its tensors),
+per token and as a fraction of fp16; the peak RSS; and the peak's growth over the
+warm-up mark (cache + transients).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CACHES = "fp16,bf16,kv4,quanto"
+
+
+def _maxrss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256, sizes: dict | None = None) -> dict:
+    """One configuration, measured in this process (call it in a fresh one for a clean peak)."""
+    import gc
+
+    import torch
+
+    from kvpass import bench
+
+    dtype, how = bench.CACHES[cache]
+    model = bench.build_model(dtype, **(sizes or {}))
+    step, new_cache = bench.stepper(model, how)
+    vocab = model.config.vocab_size
+    # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, decode steps).
+    warm = bench.fill(step, new_cache(), batch, 3 * min(chunk, 64), chunk=min(chunk, 64), vocab=vocab)
+    for _ in range(3):
+        warm = bench.decode_step(step, warm, batch)
+    del warm
+    gc.collect()
+    base = _maxrss_mib()
+    t0 = time.perf_counter()
+    cache_obj = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
+    for _ in range(decode):
+        cache_obj = bench.decode_step(step, cache_obj, batch)
+    seconds = time.perf_counter() - t0
+    peak = _maxrss_mib()
+    tokens = batch * (ctx + decode)
+    stored = bench.stored_bytes(cache_obj)
+    fp16 = bench.fp16_bytes_per_token(model.config) * tokens
+    return dict(
+        cache=cache, ctx=ctx, batch=batch, decode=decode, tokens=tokens, stored_bytes=stored,
+        bytes_per_token=stored / tokens, fp16_bytes=fp16, ratio_fp16=stored / fp16,
+        peak_rss_mib=peak, warm_rss_mib=base, growth_mib=peak - base, seconds=seconds,
+        threads=torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def measure_in_subprocess(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
+                          sizes: dict | None = None, timeout: float | None = None) -> dict:  # fmt: skip
+    job = json.dumps(dict(cache=cache, ctx=ctx, batch=batch, decode=decode, chunk=chunk, sizes=sizes))
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvpass.bench.memory", "--worker", job],
+                              capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return dict(cache=cache, ctx=ctx, batch=batch, error=f"not run: timed out after {timeout} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(cache=cache, ctx=ctx, batch=batch, error=f"not run: {tail}"[:300])
+    return json.loads(lines[-1])
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    header = ["cache", "batch", "ctx", "stored KV", "bytes/token", "x fp16", "peak RSS", "growth", "time (s)"]
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([r["cache"], str(r["batch"]), str(r["ctx"]), r["error"], "", "", "", "", ""])
+            continue
+        lines.append([
+            r["cache"], str(r["batch"]), str(r["ctx"]), f"{r['stored_bytes'] / 2**20:,.1f} MiB",
+            f"{r['bytes_per_token']:,.0f}", f"{r['ratio_fp16']:.3f}", f"{r['peak_rss_mib']:,.0f} MiB",
+            f"{r['growth_mib']:,.0f} MiB", f"{r['seconds']:.1f}",
+        ])  # fmt: skip
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in lines])
+    widths = [max([len(h)] + [len(c[i]) for c in lines]) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for cache in dict.fromkeys(r["cache"] for r in rows):
+            pts = sorted((r["ctx"], r) for r in rows if r["batch"] == batch and r["cache"] == cache and "error" not in r)
+            if not pts:
+                continue
+            xs = [c for c, _ in pts]
+            line = ax.plot(xs, [r["growth_mib"] for _, r in pts], marker="o", label=f"{cache} peak RSS growth")[0]
+            ax.plot(xs, [r["stored_bytes"] / 2**20 for _, r in pts], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{cache} stored KV")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("KV-dominated Llama (2 layers, 8 KV heads x 128): peak RSS growth over warm-up, and stored KV")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--caches", default=DEFAULT_CACHES, help=f"comma-separated (default {DEFAULT_CACHES}); "
+                        "also fp32, kv4-bf16, kv4-fp32, quanto-fp32")  # fmt: skip
+    parser.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
+    parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
+    parser.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    parser.add_argument("--decode", type=int, default=8, help="tokens decoded after filling (default 8)")
+    parser.add_argument("--chunk", type=int, default=256, help="fill chunk in tokens (default 256)")
+    parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024; tests use less)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--json", metavar="PATH", help="write the rows here")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
+    parser.add_argument("--plot", metavar="PNG", help="plot memory against context here")
+
+
+def run(args) -> int:
+    from kvpass import bench
+
+    contexts = bench.parse_ints(args.contexts) + ([16384] if args.long else [])
+    sizes = dict(hidden=args.hidden, layers=args.layers)
+    rows = []
+    t0 = time.perf_counter()
+    for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
+        if cache not in bench.CACHES:
+            raise SystemExit(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
+        for batch in bench.parse_ints(args.batches):
+            for ctx in contexts:
+                row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout)
+                rows.append(row)
+                print(f"  {cache} batch {batch} ctx {ctx}: " + (row.get("error") or
+                      f"{row['bytes_per_token']:,.0f} B/token ({row['ratio_fp16']:.3f}x fp16), "
+                      f"peak {row['peak_rss_mib']:,.0f} MiB"), file=sys.stderr, flush=True)  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    table = format_table(rows)
+    print(table)
+    command = "kvpass bench memory " + " ".join(_argv_after("memory"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(command=command, elapsed_s=elapsed, sizes=sizes, rows=rows), indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"Command: `{command}` ({elapsed:.0f} s)\n\n{format_table(rows, markdown=True)}\n")
+    return 0
+
+
+def _argv_after(word: str) -> list[str]:
+    argv = sys.argv[1:]
+    return argv[argv.index(word) + 1 :] if word in argv else argv
+
+
+def _worker(job: str) -> None:
+    spec = json.loads(job)
+    print(json.dumps(measure(**spec)), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        parser = argparse.ArgumentParser(prog="kvpass bench memory")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))

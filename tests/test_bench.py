@@ -1,0 +1,55 @@
+"""``kvpass bench memory`` and ``kvpass bench decode`` at a tiny size."""
+
+import argparse
+
+import pytest
+import torch
+
+from kvpass import bench
+from kvpass.bench import decode, memory
+
+TINY = dict(hidden=128, layers=1)
+
+
+def test_memory_kv4_stores_about_a_quarter_of_fp16():
+    # In-process (the CLI runs each configuration in a fresh subprocess for a clean peak).
+    fp16 = memory.measure("fp16", ctx=128, batch=2, decode=2, chunk=64, sizes=TINY)
+    kv4 = memory.measure("kv4", ctx=128, batch=2, decode=2, chunk=64, sizes=TINY)
+    torch._dynamo.reset()
+    assert fp16["ratio_fp16"] == pytest.approx(1.0)
+    assert fp16["bytes_per_token"] == 2 * 1 * 8 * 128 * 2
+    # 4-bit codes + one fp16 scale per group of at most 64 channels (+ a residual for
+    # per-channel K): at most 4.25/16 of fp16 for per-token groups of 64.
+    assert kv4["ratio_fp16"] <= 0.27
+    assert kv4["ratio_fp16"] >= 0.25
+    assert kv4["peak_rss_mib"] >= kv4["warm_rss_mib"] > 0
+
+
+def test_memory_subprocess_and_table(tmp_path):
+    row = memory.measure_in_subprocess("fp16", ctx=64, batch=1, decode=1, chunk=32, sizes=TINY, timeout=120)
+    assert "error" not in row, row
+    assert row["stored_bytes"] == row["tokens"] * 4096
+    bad = dict(cache="quanto", ctx=64, batch=1, error="not run: example")
+    table = memory.format_table([row, bad])
+    assert "fp16" in table and "not run" in table
+    memory.plot([row], str(tmp_path / "m.png"))
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_decode_grid_reports_ratios_to_fp():
+    rows = decode.run_grid(["fp", "kv4"], [128], warmup=2, steps=3, sizes=TINY, chunk=64)
+    torch._dynamo.reset()
+    by = {r["method"]: r for r in rows}
+    assert "error" not in by["kv4"], by["kv4"]
+    assert by["fp"]["ratio_fp"] == 1.0
+    assert by["kv4"]["median_ms"] > 0 and by["kv4"]["ratio_fp"] > 0
+    assert by["kv4"]["stored_bytes"] < 0.3 * by["fp"]["stored_bytes"] / 2  # fp32 model: fp is 4 bytes/value
+    assert "x fp" in decode.format_table(rows)
+
+
+def test_cli_arguments_parse():
+    for module in (memory, decode):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args(["--contexts", "64", "--long"])
+        assert args.long and args.contexts == "64"

@@ -1,0 +1,107 @@
+"""The streaming-perplexity and greedy-agreement protocol of ``kvpass eval`` on a tiny model."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from kvpass import eval as kv_eval
+from kvpass import text_data
+from kvpass.config import KVConfig
+from kvpass.models_zoo import build
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("llama")
+
+
+def _tokens(n, seed=0):
+    # A short synthetic "text": a repeating pattern with noise, so a model has something to predict.
+    g = torch.Generator().manual_seed(seed)
+    base = torch.arange(n) % 37 + 2
+    noise = torch.randint(2, 256, (n,), generator=g)
+    return torch.where(torch.rand(n, generator=g) < 0.3, noise, base)
+
+
+def test_chunk_size_does_not_change_fp_perplexity(model):
+    ids = _tokens(96)[None]
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    # Score the same tokens (all after the first 32) with chunks of 32, 8 and 1.
+    nll32, n32, _ = kv_eval.streaming_nll(runner, ids, 32)
+    full = model(input_ids=ids).logits.double().log_softmax(-1)
+    expected = -full[0, 31:-1].gather(-1, ids[0, 32:, None]).sum().item()
+    assert n32 == 64
+    assert nll32 == pytest.approx(expected, rel=1e-5)
+    for chunk in (8, 1):
+        nll, n, _ = kv_eval.streaming_nll(runner, ids, chunk)
+        # Chunks of c score every token after the first c: compare the common tokens' total.
+        head = -full[0, chunk - 1 : 31].gather(-1, ids[0, chunk:32, None]).sum().item()
+        assert n == 96 - chunk
+        assert nll - head == pytest.approx(nll32, rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot"])
+def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
+    ids = _tokens(160, seed=1)[None]
+    ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
+    torch._dynamo.reset()
+    ppl_sim = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-" + variant)), ids, 32)
+    ppl_fp = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("fp")), ids, 32)
+    assert ppl_kv4 == pytest.approx(ppl_sim, rel=1e-4)
+    assert ppl_kv4 != ppl_fp  # the cache really was quantized
+
+
+def test_greedy_agreement_of_fp_with_itself_is_one(model):
+    prompts = kv_eval.prompts_from(_tokens(400, seed=2), 0, 3, 40)
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    a = kv_eval.greedy(runner, prompts, 8)
+    b = kv_eval.greedy(runner, prompts, 8)
+    assert a.shape == (3, 8)
+    assert kv_eval.agreement(a, b) == 1.0
+
+
+def test_agreement_counts_tokens_before_the_first_divergence():
+    ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    out = torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])
+    assert kv_eval.agreement(out, ref) == pytest.approx((2 / 4 + 1) / 2)
+
+
+def test_evaluate_grid_rows(model):
+    texts = {"synthetic": _tokens(300, seed=3)}
+    settings = kv_eval.Settings(contexts=(96,), chunk=32, prompts=2, prompt_tokens=40, new_tokens=4)
+    methods = [kv_eval.parse_method(m) for m in ("fp", "sim-kv4-rot", "quanto")]
+    rows = kv_eval.evaluate(model, texts, methods, settings)
+    by_name = {r["method"]: r for r in rows}
+    assert set(by_name) == {"fp", "sim-kv4-rot", "quanto"}
+    assert by_name["fp"]["delta_pct"] == 0.0 and by_name["fp"]["agreement"] == 1.0
+    for row in rows:
+        if "ppl" in row:
+            assert math.isfinite(row["ppl"]) and 0 <= row["agreement"] <= 1
+        else:
+            assert row["error"].startswith("not run:")
+    table = kv_eval.format_table(rows)
+    assert "sim-kv4-rot" in table and "delta vs fp" in table
+
+
+def test_method_names():
+    m = kv_eval.parse_method("kv4-rot-g128")
+    assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token",
+                                    v_group=128, v_rotate=True)  # fmt: skip
+    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2}
+    assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
+    assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
+    k, v = kv_eval.parse_method("kv4-kivi").specs
+    assert (k.scheme, k.group, k.rotate, v.scheme, v.group, v.rotate) == ("channel", 64, False, "token", 128, False)
+    with pytest.raises(ValueError):
+        kv_eval.parse_method("kv4-g48")
+    with pytest.raises(ValueError):
+        kv_eval.parse_method("fp16-magic")
+
+
+def test_kjv_stripping():
+    raw = "Genesis 1\n\n  1 In the beginning\nGod created.\n  2 And the earth.\n\n1 Kings 2\n\n  1 Now the days.\n"
+    assert text_data.strip_kjv(raw) == "In the beginning God created. And the earth.\n\nNow the days.\n"
