@@ -107,7 +107,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     # Two passes: the first finds the subcommand, whose module then defines its own options;
     # importing every subcommand's module up front would make `kvpass demo` pay for all.
-    known, _ = parser.parse_known_args(argv)
+    # --help waits for the second pass, which knows the subcommand's options.
+    wants_help = [a for a in argv if a in ("-h", "--help")]
+    if wants_help and len(wants_help) == len(argv):
+        parser.parse_args(argv)
+    known, _ = parser.parse_known_args([a for a in argv if a not in wants_help])
     command = known.benchmark if known.command == "bench" else known.command
     add_arguments, run = _load(known._module, command)
     sub_parser = _subparser(parser, known)

@@ -1,0 +1,36 @@
+"""The command line as a user types it."""
+
+import re
+
+import pytest
+import torch
+
+from kvpass.cli import main
+
+
+def test_explain_prints_site_tables_and_diffs(capsys):
+    torch._dynamo.reset()
+    assert main(["explain", "qwen2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("===== graph_") == 3  # prefill, first decode, dynamic-length decode
+    assert re.search(r"model.layers.1.self_attn +sdpa +decode +int4", out)
+    assert "+    kv4_append = kvpass_graph_ops_kv4_append(" in out
+    assert "-    attn_output = torch._C._nn.scaled_dot_product_attention(" in out
+
+
+def test_estimate_reproduces_llama_3_figure(capsys):
+    assert main(["estimate", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--context", "131072"]) == 0
+    assert "16.00 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"]])
+def test_help_lists_the_subcommands_own_options(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "--" in capsys.readouterr().out.split("options:")[-1]
+
+
+def test_unknown_model_is_named_with_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"):
+        main(["explain", "llama9"])
