@@ -1,6 +1,6 @@
 """``kvpass eval``: streaming perplexity and greedy agreement of KV-cache schemes on SmolLM2.
 
-Protocol (see ``/work/shared/EVAL.md`` and ``docs/eval.md``):
+Protocol (see ``docs/eval.md``):
 
 * **Streaming perplexity.** The first ``ctx`` tokens of a text are fed in chunks of
   ``chunk`` tokens with the cache carried over (``chunk=1`` is pure decode), so every
