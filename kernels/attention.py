@@ -12,6 +12,10 @@ compiled out for the new tokens): they use differently rotated queries when
 ``k_spec.rotate``, and their partial outputs live in different bases when
 ``v_spec.rotate``, which the launcher undoes on the stored splits' partials before the
 combine (rotation is linear, so rotating each split's numerator is exact).
+
+An asymmetric spec's ``scales`` carries the zero point at ``[..., 1]`` (see
+:mod:`kvpass.reference`); the kernel loads it next to the scale and dequantizes
+``code * scale + zero`` in registers.
 """
 
 from __future__ import annotations
@@ -61,32 +65,36 @@ _SPLIT_ALIGN = 32 if _INTERPRET else 256
 
 
 @triton.jit
-def _unpack(packed, BITS: tl.constexpr):
-    """``int32 [N, D // (8 // BITS)]`` packed bytes -> signed codes ``[N, D]``, lowest field first."""
+def _unpack(packed, BITS: tl.constexpr, SIGNED: tl.constexpr):
+    """``int32 [N, D // (8 // BITS)]`` packed bytes -> codes ``[N, D]``, lowest field first:
+    signed (the field minus ``2**(BITS-1)``) when ``SIGNED``, else the unsigned field."""
     if BITS == 8:
-        codes = packed - 128
+        codes = packed
     elif BITS == 4:
-        codes = tl.interleave(packed & 15, packed >> 4) - 8
+        codes = tl.interleave(packed & 15, packed >> 4)
     else:
         # interleave(interleave(f0, f2), interleave(f1, f3)) orders the fields f0 f1 f2 f3.
         codes = tl.interleave(
             tl.interleave(packed & 3, (packed >> 4) & 3),
             tl.interleave((packed >> 2) & 3, packed >> 6),
-        ) - 2
+        )
+    if SIGNED:
+        codes = codes - (1 << (BITS - 1))
     return codes
 
 
 @triton.jit
 def _load_block(
     C, stride_cs, stride_cd,
-    SC, stride_ss, stride_sd,
+    SC, stride_ss, stride_sd, stride_sz,
     RES, stride_rs, stride_rd,
     pos, key_ok, n_quant, dim,
     HAS_CODES: tl.constexpr, BITS: tl.constexpr, CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    ASYM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Tokens ``pos`` of one head as fp32 ``[BLOCK_N, BLOCK_D]``: codes x scales below
-    ``n_quant``, the unquantized tensor ``RES`` from ``n_quant`` on, zero where not ``key_ok``."""
+    """Tokens ``pos`` of one head as fp32 ``[BLOCK_N, BLOCK_D]``: codes x scales (+ zero
+    points, ``stride_sz`` past each scale, when ``ASYM``) below ``n_quant``, the unquantized
+    tensor ``RES`` from ``n_quant`` on, zero where not ``key_ok``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     in_res = key_ok & (pos >= n_quant)
@@ -108,23 +116,30 @@ def _load_block(
             scale_ptrs = SC + (pos // GROUP)[:, None] * stride_ss + offs_d[None, :] * stride_sd
         else:
             scale_ptrs = SC + pos[:, None] * stride_ss + (offs_d // GROUP)[None, :] * stride_sd
-        scale = tl.load(scale_ptrs, mask=in_codes[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        x = tl.where(in_codes[:, None], _unpack(packed, BITS).to(tl.float32) * scale, x)
+        param_ok = in_codes[:, None] & d_ok[None, :]
+        scale = tl.load(scale_ptrs, mask=param_ok, other=0.0).to(tl.float32)
+        deq = _unpack(packed, BITS, not ASYM).to(tl.float32) * scale
+        if ASYM:
+            deq += tl.load(scale_ptrs + stride_sz, mask=param_ok, other=0.0).to(tl.float32)
+        x = tl.where(in_codes[:, None], deq, x)
     return x
 
 
 @triton.autotune(
     configs=_CONFIGS,
-    key=["BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL", "MASK_KIND", "IS_CAUSAL", "SOFTCAP"],
+    key=[
+        "BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL",
+        "K_ASYM", "V_ASYM", "MASK_KIND", "IS_CAUSAL", "SOFTCAP",
+    ],
 )
 @triton.jit
 def _partial_attention_kernel(
     Q, stride_qb, stride_qh, stride_qt, stride_qd,
     KC, stride_kcb, stride_kch, stride_kcs, stride_kcd,
-    KS, stride_ksb, stride_ksh, stride_kss, stride_ksd,
+    KS, stride_ksb, stride_ksh, stride_kss, stride_ksd, stride_ksz,
     KR, stride_krb, stride_krh, stride_krs, stride_krd,
     VC, stride_vcb, stride_vch, stride_vcs, stride_vcd,
-    VS, stride_vsb, stride_vsh, stride_vss, stride_vsd,
+    VS, stride_vsb, stride_vsh, stride_vss, stride_vsd, stride_vsz,
     VR, stride_vrb, stride_vrh, stride_vrs, stride_vrd,
     MASK, stride_mb, stride_mh, stride_mt, stride_mn,
     M_OUT, L_OUT, ACC_OUT,
@@ -132,8 +147,8 @@ def _partial_attention_kernel(
     n_keys, n_quant_k, n_quant_v, col_offset, split_len, split_base, n_splits_total,
     sm_scale, softcap,
     HAS_CODES: tl.constexpr, SOFTCAP: tl.constexpr,
-    K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr,
-    V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr,
+    K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr,
+    V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -177,9 +192,9 @@ def _partial_attention_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         key_ok = pos < hi
         k = _load_block(
-            KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, KR, stride_krs, stride_krd,
+            KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, stride_ksz, KR, stride_krs, stride_krd,
             pos, key_ok, n_quant_k, head_dim,
-            HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, BLOCK_D,
+            HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, BLOCK_D,
         ).to(DOT_DTYPE)
         if DOT_DTYPE == tl.float32:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -210,9 +225,9 @@ def _partial_attention_kernel(
         correction = tl.exp(m_i - m_safe)
         l_i = l_i * correction + tl.sum(p, axis=1)
         v = _load_block(
-            VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, VR, stride_vrs, stride_vrd,
+            VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, stride_vsz, VR, stride_vrs, stride_vrd,
             pos, key_ok, n_quant_v, head_dim_v,
-            HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, BLOCK_DV,
+            HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, BLOCK_DV,
         ).to(DOT_DTYPE)
         if DOT_DTYPE == tl.float32:
             pv = tl.dot(p, v, input_precision="ieee")
@@ -291,6 +306,8 @@ def _check_stored(name, codes, scales, residual, spec: QuantSpec, B, Hkv, dim, d
         if n_quant % spec.group:
             raise ValueError(f"{name}_codes holds {n_quant} tokens, not whole groups of {spec.group} (scheme 'channel')")
         scales_shape = (B, Hkv, n_quant // spec.group, dim)
+    if not spec.symmetric:
+        scales_shape = (*scales_shape, 2)  # (scale, zero point)
     if tuple(scales.shape) != scales_shape or not scales.is_floating_point():
         raise ValueError(f"{name}_scales must be float {list(scales_shape)}, got {scales.dtype} {list(scales.shape)}")
     if residual.dim() != 4 or tuple(residual.shape[:2]) != (B, Hkv) or residual.shape[3] != dim:
@@ -299,6 +316,12 @@ def _check_stored(name, codes, scales, residual, spec: QuantSpec, B, Hkv, dim, d
         if tensor.device != device:
             raise ValueError(f"{name}_{tensor_name} is on {tensor.device}, q on {device}; all must share a device")
     return n_quant + residual.shape[2]
+
+
+def _scale_strides(scales: torch.Tensor, spec: QuantSpec) -> tuple[int, ...]:
+    """Strides of ``scales`` over (B, H, S or S // g, D // g or D, scale/zero); the last is 0
+    (never used) for a symmetric spec, whose scales have no zero points."""
+    return scales.stride() if not spec.symmetric else (*scales.stride(), 0)
 
 
 def _num_programs_wanted(device: torch.device) -> int:
@@ -413,8 +436,8 @@ def attention(
     common = dict(
         MASK_KIND=mask_kind, IS_CAUSAL=bool(is_causal), DOT_DTYPE=dot_dtype, SOFTCAP=softcap > 0,
         BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        K_BITS=k_spec.bits, K_CHANNEL=k_spec.scheme == "channel",
-        V_BITS=v_spec.bits, V_CHANNEL=v_spec.scheme == "channel",
+        K_BITS=k_spec.bits, K_CHANNEL=k_spec.scheme == "channel", K_ASYM=not k_spec.symmetric,
+        V_BITS=v_spec.bits, V_CHANNEL=v_spec.scheme == "channel", V_ASYM=not v_spec.symmetric,
     )
     sizes = (Hkv, rep, n_rows, D, Dv)
 
@@ -424,8 +447,8 @@ def attention(
         q_stored = reference.rotate(q.float()) if k_spec.rotate else q
         _partial_attention_kernel[(row_tiles, B * Hkv, past_splits)](
             q_stored, *q_stored.stride(),
-            k_codes, *k_codes.stride(), k_scales, *k_scales.stride(), k_residual, *k_residual.stride(),
-            v_codes, *v_codes.stride(), v_scales, *v_scales.stride(), v_residual, *v_residual.stride(),
+            k_codes, *k_codes.stride(), k_scales, *_scale_strides(k_scales, k_spec), k_residual, *k_residual.stride(),
+            v_codes, *v_codes.stride(), v_scales, *_scale_strides(v_scales, v_spec), v_residual, *v_residual.stride(),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,
@@ -443,8 +466,8 @@ def attention(
         # The new tokens are an unquantized "residual" with no codes before it.
         _partial_attention_kernel[(row_tiles, B * Hkv, new_splits)](
             q, *q.stride(),
-            k_new, 0, 0, 0, 0, k_new, 0, 0, 0, 0, k_new, *k_new.stride(),
-            v_new, 0, 0, 0, 0, v_new, 0, 0, 0, 0, v_new, *v_new.stride(),
+            k_new, 0, 0, 0, 0, k_new, 0, 0, 0, 0, 0, k_new, *k_new.stride(),
+            v_new, 0, 0, 0, 0, v_new, 0, 0, 0, 0, 0, v_new, *v_new.stride(),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,

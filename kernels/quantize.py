@@ -2,7 +2,9 @@
 
 Bit-exact with :func:`kvpass.reference.quantize`: same fp32 division (correctly rounded,
 not the approximate division Triton emits for ``/``), same fp16 scale rounding, same
-round-half-to-even, same codes for non-finite groups.
+round-half-to-even, same codes for non-finite groups, for the symmetric grid and the
+asymmetric one (scale and zero point per group, stored as ``scales[..., 0]`` and
+``scales[..., 1]``).
 """
 
 from __future__ import annotations
@@ -50,10 +52,43 @@ def _codes_from(x, scale, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _pack(codes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
-    """Signed codes ``[ROWS, BLOCK_D]`` -> unsigned fields, ``8 // BITS`` per byte, lowest first."""
+def _asym_params(lo, hi, non_finite, QMAX: tl.constexpr):
+    """``(scale, zero)`` in fp16 of groups with minimum ``lo`` and maximum ``hi`` (fp32)."""
+    # -0.0 becomes +0.0, whichever zero the min/max reductions picked.
+    lo = tl.where(lo == 0, 0.0, lo)
+    hi = tl.where(hi == 0, 0.0, hi)
+    scale = _div_rn(hi - lo, QMAX * 1.0).to(tl.float16)
+    zero = lo.to(tl.float16)
+    scale32 = scale.to(tl.float32)
+    zero32 = zero.to(tl.float32)
+    # A scale or zero point that overflows fp16 poisons its group like a non-finite input.
+    bad = non_finite | (scale32 != scale32) | (tl.abs(scale32) == float("inf"))
+    bad = bad | (zero32 != zero32) | (tl.abs(zero32) == float("inf"))
+    return tl.where(bad, float("nan"), scale), tl.where(bad, float("nan"), zero)
+
+
+@triton.jit
+def _asym_codes_from(x, scale, zero, QMAX: tl.constexpr):
+    scale = scale.to(tl.float32)
+    empty = (scale == 0) | (scale != scale)  # flushed or poisoned: codes 0
+    safe = tl.where(empty, 1.0, scale)
+    safe_zero = tl.where(empty, 0.0, zero.to(tl.float32))
+    y = _div_rn(x - safe_zero, safe)
+    y = tl.minimum(tl.maximum(y, 0.0), QMAX * 1.0)
+    y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+    return tl.where(empty, 0, y.to(tl.int32))
+
+
+@triton.jit
+def _pack(codes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr):
+    """Codes ``[ROWS, BLOCK_D]`` -> unsigned fields, ``8 // BITS`` per byte, lowest first.
+
+    Signed (symmetric) codes are offset by ``2**(BITS-1)``; unsigned ones are stored as they are."""
     PER_BYTE: tl.constexpr = 8 // BITS
-    unsigned = codes + (1 << (BITS - 1))
+    if SIGNED:
+        unsigned = codes + (1 << (BITS - 1))
+    else:
+        unsigned = codes
     fields = tl.reshape(unsigned, [ROWS, BLOCK_D // PER_BYTE, PER_BYTE])
     shifts = tl.arange(0, PER_BYTE) * BITS
     # Disjoint bit fields: their sum is their bitwise or.
@@ -64,14 +99,14 @@ def _pack(codes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BITS: tl.constexpr):
 def _quantize_token_kernel(
     X, stride_xb, stride_xh, stride_xs, stride_xd,
     C, stride_cb, stride_ch, stride_cs, stride_cd,
-    SC, stride_sb, stride_sh, stride_ss, stride_sg,
+    SC, stride_sb, stride_sh, stride_ss, stride_sg, stride_sp,
     H, S, D, n_groups,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    QMAX: tl.constexpr = (1 << BITS) - 1 if ASYM else (1 << (BITS - 1)) - 1
     PER_BYTE: tl.constexpr = 8 // BITS
     N_GROUPS: tl.constexpr = BLOCK_D // GROUP
 
@@ -85,19 +120,23 @@ def _quantize_token_kernel(
     ).to(tl.float32)
 
     groups = tl.reshape(x, [BLOCK_S, N_GROUPS, GROUP])
-    amax = tl.max(tl.abs(groups), axis=2)
     # tl.max may drop NaN (GPU max.f32 does), so non-finite groups are found separately.
     non_finite = tl.max(((groups != groups) | (tl.abs(groups) == float("inf"))).to(tl.int32), axis=2) > 0
-    scale = _scale_from(amax, non_finite, QMAX)
     offs_g = tl.arange(0, N_GROUPS)
-    tl.store(
-        SC + b * stride_sb + h * stride_sh + offs_s[:, None] * stride_ss + offs_g[None, :] * stride_sg,
-        scale,
-        mask=row_ok[:, None] & (offs_g[None, :] < n_groups),
-    )
-
-    scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
-    packed = _pack(_codes_from(x, scale_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS)
+    scale_ptrs = SC + b * stride_sb + h * stride_sh + offs_s[:, None] * stride_ss + offs_g[None, :] * stride_sg
+    scale_mask = row_ok[:, None] & (offs_g[None, :] < n_groups)
+    if ASYM:
+        scale, zero = _asym_params(tl.min(groups, axis=2), tl.max(groups, axis=2), non_finite, QMAX)
+        tl.store(scale_ptrs, scale, mask=scale_mask)
+        tl.store(scale_ptrs + stride_sp, zero, mask=scale_mask)
+        scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+        zero_per_elem = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+        packed = _pack(_asym_codes_from(x, scale_per_elem, zero_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS, False)
+    else:
+        scale = _scale_from(tl.max(tl.abs(groups), axis=2), non_finite, QMAX)
+        tl.store(scale_ptrs, scale, mask=scale_mask)
+        scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+        packed = _pack(_codes_from(x, scale_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS, True)
     offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
     tl.store(
         C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
@@ -110,15 +149,15 @@ def _quantize_token_kernel(
 def _quantize_channel_kernel(
     X, stride_xb, stride_xh, stride_xs, stride_xd,
     C, stride_cb, stride_ch, stride_cs, stride_cd,
-    SC, stride_sb, stride_sh, stride_ss, stride_sd,
+    SC, stride_sb, stride_sh, stride_ss, stride_sd, stride_sp,
     H, D,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     group_idx = tl.program_id(1)
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    QMAX: tl.constexpr = (1 << BITS) - 1 if ASYM else (1 << (BITS - 1)) - 1
     PER_BYTE: tl.constexpr = 8 // BITS
 
     offs_s = group_idx * GROUP + tl.arange(0, GROUP)
@@ -129,12 +168,17 @@ def _quantize_channel_kernel(
         other=0.0,
     ).to(tl.float32)
 
-    amax = tl.max(tl.abs(x), axis=0)
     non_finite = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0) > 0
-    scale = _scale_from(amax, non_finite, QMAX)
-    tl.store(SC + b * stride_sb + h * stride_sh + group_idx * stride_ss + offs_d * stride_sd, scale, mask=offs_d < D)
-
-    packed = _pack(_codes_from(x, scale[None, :], QMAX), GROUP, BLOCK_D, BITS)
+    scale_ptrs = SC + b * stride_sb + h * stride_sh + group_idx * stride_ss + offs_d * stride_sd
+    if ASYM:
+        scale, zero = _asym_params(tl.min(x, axis=0), tl.max(x, axis=0), non_finite, QMAX)
+        tl.store(scale_ptrs, scale, mask=offs_d < D)
+        tl.store(scale_ptrs + stride_sp, zero, mask=offs_d < D)
+        packed = _pack(_asym_codes_from(x, scale[None, :], zero[None, :], QMAX), GROUP, BLOCK_D, BITS, False)
+    else:
+        scale = _scale_from(tl.max(tl.abs(x), axis=0), non_finite, QMAX)
+        tl.store(scale_ptrs, scale, mask=offs_d < D)
+        packed = _pack(_codes_from(x, scale[None, :], QMAX), GROUP, BLOCK_D, BITS, True)
     offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
     tl.store(
         C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
@@ -148,8 +192,10 @@ def output_shapes(x_shape, spec: QuantSpec) -> tuple[tuple[int, ...], tuple[int,
     B, H, S, D = x_shape
     codes_shape = (B, H, S, D * spec.bits // 8)
     if spec.scheme == "token":
-        return codes_shape, (B, H, S, D // spec.token_group(D))
-    return codes_shape, (B, H, S // spec.group, D)
+        scales_shape = (B, H, S, D // spec.token_group(D))
+    else:
+        scales_shape = (B, H, S // spec.group, D)
+    return codes_shape, scales_shape if spec.symmetric else (*scales_shape, 2)
 
 
 def _check_out(name, tensor, shape, dtype, device):
@@ -167,6 +213,8 @@ def quantize(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [B, H, S, D]`` -> ``(codes uint8, scales fp16)`` exactly as :func:`kvpass.reference.quantize`.
+
+    An asymmetric spec's ``scales`` has a trailing dimension of 2: ``(scale, zero point)``.
 
     ``x`` may have any strides. ``out`` (any strides, e.g. a slice of a preallocated cache)
     receives the result in place of new tensors. Rotation is not applied here.
@@ -193,6 +241,9 @@ def quantize(
         return codes, scales
 
     block_d = triton.next_power_of_2(D)
+    asym = not spec.symmetric
+    # Symmetric scales have no (scale, zero) dimension; its stride is then never used.
+    scale_strides = scales.stride() if asym else (*scales.stride(), 0)
     if spec.scheme == "token":
         group = spec.token_group(D)
         n_groups = D // group
@@ -200,15 +251,15 @@ def quantize(
         block_s = min(triton.next_power_of_2(S), max(1, 4096 // block_d))
         grid = (B * H, triton.cdiv(S, block_s))
         _quantize_token_kernel[grid](
-            x, *x.stride(), codes, *codes.stride(), scales, *scales.stride(),
+            x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
             H, S, D, n_groups,
-            BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d,
+            BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d, ASYM=asym,
         )
     else:
         grid = (B * H, S // spec.group)
         _quantize_channel_kernel[grid](
-            x, *x.stride(), codes, *codes.stride(), scales, *scales.stride(),
+            x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
             H, D,
-            BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d,
+            BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d, ASYM=asym,
         )
     return codes, scales

@@ -93,6 +93,9 @@ def kv4(
     v_rotate: bool = _DEFAULT.v.rotate,
     k_bits: int | None = None,
     v_bits: int | None = None,
+    symmetric: bool = True,
+    k_symmetric: bool | None = None,
+    v_symmetric: bool | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -102,15 +105,23 @@ def kv4(
     ``bits`` sets both K and V unless ``k_bits``/``v_bits`` say otherwise. ``*_scheme`` is
     ``"token"`` (groups of channels per token) or ``"channel"`` (K only: groups of tokens
     per channel, KIVI-style, with an unquantized residual); ``*_rotate`` applies a Hadamard
-    rotation of the head dimension before quantizing. ``inner`` is the compiler the
+    rotation of the head dimension before quantizing. ``symmetric=False`` stores a zero
+    point per group (asymmetric grid, codes ``0..2**bits - 1``) for both K and V unless
+    ``k_symmetric``/``v_symmetric`` say otherwise. ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
     logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
     Raises ``ValueError`` naming any setting outside what is accepted.
     """
     config = KVConfig(
-        k=QuantSpec(bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate),
-        v=QuantSpec(bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate),
+        k=QuantSpec(
+            bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate,
+            symmetric=symmetric if k_symmetric is None else k_symmetric,
+        ),
+        v=QuantSpec(
+            bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate,
+            symmetric=symmetric if v_symmetric is None else v_symmetric,
+        ),
         inner=inner,
         debug=debug,
         debug_dir=debug_dir,

@@ -24,6 +24,10 @@ class QuantSpec:
     ``[B, H, S, D // group]``). ``scheme="channel"`` groups ``group`` consecutive tokens
     of one channel (scale shape ``[B, H, S // group, D]``); tokens of a group that is not
     full yet wait in an unquantized residual.
+
+    ``symmetric=True`` stores one fp16 scale per group and signed codes on the grid
+    ``-qmax..qmax``; ``symmetric=False`` stores a scale and a zero point (the group's
+    minimum) per group and unsigned codes ``0..2**bits - 1`` (see :mod:`kvpass.reference`).
     """
 
     bits: int = 4
@@ -32,6 +36,9 @@ class QuantSpec:
     # Orthogonal Hadamard rotation of the head dimension before quantization: spreads
     # channel outliers over all channels, so per-token groups see a flatter distribution.
     rotate: bool = False
+    # Asymmetric (zero-point) grid when False: every code level lies inside [min, max] of the
+    # group, so skewed groups (post-softmax-like, one-signed after rotation) lose no level.
+    symmetric: bool = True
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -40,21 +47,37 @@ class QuantSpec:
             raise ValueError(f"group must be a power of two >= 2, got {self.group!r}")
         if not isinstance(self.rotate, bool):
             raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
 
     @property
     def tag(self) -> str:
-        """Compact, parseable name used in rewritten graphs: ``int4:channel:64[:rot]``."""
-        return f"int{self.bits}:{self.scheme}:{self.group}" + (":rot" if self.rotate else "")
+        """Compact, parseable name used in rewritten graphs: ``int4:channel:64[:rot][:asym]``.
+
+        Symmetric specs keep the tags they always had (no suffix)."""
+        return (
+            f"int{self.bits}:{self.scheme}:{self.group}"
+            + (":rot" if self.rotate else "")
+            + ("" if self.symmetric else ":asym")
+        )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        bits, scheme, group, *rot = tag.split(":")
-        return cls(int(bits.removeprefix("int")), scheme, int(group), rotate=rot == ["rot"])
+        bits, scheme, group, *flags = tag.split(":")
+        if flags not in ([], ["rot"], ["asym"], ["rot", "asym"]):
+            raise ValueError(f"bad QuantSpec tag {tag!r}: expected int<bits>:<scheme>:<group>[:rot][:asym]")
+        return cls(int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags, symmetric="asym" not in flags)
 
     @property
     def qmax(self) -> int:
         """Largest code magnitude of the symmetric grid: 7 for int4."""
         return 2 ** (self.bits - 1) - 1
+
+    @property
+    def code_max(self) -> int:
+        """Largest code of this spec's grid: ``qmax`` (symmetric, codes ``-qmax..qmax``) or
+        ``2**bits - 1`` (asymmetric, codes ``0..2**bits - 1``): 7 or 15 for int4."""
+        return self.qmax if self.symmetric else 2**self.bits - 1
 
     def token_group(self, head_dim: int) -> int:
         """Channel-group size of a per-token scheme for this head_dim.

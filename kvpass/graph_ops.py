@@ -1,7 +1,8 @@
 """The calls a rewritten graph makes: thin wrappers from PackedKV to the ``kv4::`` ops.
 
-They take quantization specs as tags (``"int4:channel:64"``) so a rewritten graph prints
-readably and holds no Python objects as constants.
+They take quantization specs as tags (``"int4:channel:64"``, ``"int4:token:64:rot:asym"``;
+see :attr:`kvpass.config.QuantSpec.tag`) so a rewritten graph prints readably and holds
+no Python objects as constants. An asymmetric spec's zero points ride in ``scales``.
 """
 
 from __future__ import annotations

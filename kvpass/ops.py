@@ -4,8 +4,10 @@ One op name per operation for every device: the FX pass emits these and never br
 on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
 ``kvpass.kernels`` when Triton is importable, else the same reference.
 
-A :class:`~kvpass.config.QuantSpec` crosses the op boundary as four scalars
-(``bits, scheme, group, rotate``) because custom-op schemas take no dataclasses.
+A :class:`~kvpass.config.QuantSpec` crosses the op boundary as five scalars
+(``bits, scheme, group, rotate, symmetric``) because custom-op schemas take no
+dataclasses. An asymmetric spec's zero points travel inside ``scales`` (a trailing
+dimension of 2, see :mod:`kvpass.reference`), so the tensor arguments are the same for both.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from kvpass.config import QuantSpec
 log = logging.getLogger("kvpass")
 
 
-def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool]:
-    return spec.bits, spec.scheme, spec.group, spec.rotate
+SPEC_ARGS = 5  # scalars per QuantSpec in an op's arguments
+
+
+def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool]:
+    return spec.bits, spec.scheme, spec.group, spec.rotate, spec.symmetric
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,27 +46,31 @@ def _triton_kernels():
 
 
 @torch.library.custom_op("kv4::quantize", mutates_args=())
-def quantize(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`)."""
-    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate))
+    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric))
 
 
 @quantize.register_fake
-def _(x, bits, scheme, group, rotate):
+def _(x, bits, scheme, group, rotate, symmetric):
     B, H, S, D = x.shape
     codes = x.new_empty((B, H, S, D * bits // 8), dtype=torch.uint8)
     if scheme == "token":
-        g = QuantSpec(bits, scheme, group, rotate).token_group(D)
-        scales = x.new_empty((B, H, S, D // g), dtype=reference.SCALE_DTYPE)
+        g = QuantSpec(bits, scheme, group, rotate, symmetric).token_group(D)
+        scales_shape = (B, H, S, D // g)
     else:
-        scales = x.new_empty((B, H, S // group, D), dtype=reference.SCALE_DTYPE)
-    return codes, scales
+        scales_shape = (B, H, S // group, D)
+    if not symmetric:
+        scales_shape = (*scales_shape, 2)  # (scale, zero point)
+    return codes, x.new_empty(scales_shape, dtype=reference.SCALE_DTYPE)
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate):
+def _(x, bits, scheme, group, rotate, symmetric):
     kernels = _triton_kernels()
-    spec = QuantSpec(bits, scheme, group, rotate)
+    spec = QuantSpec(bits, scheme, group, rotate, symmetric)
     if kernels is None:
         return reference.encode(x.contiguous(), spec)
     return kernels.quantize(reference.rotate(x) if rotate else x, spec)
@@ -72,14 +81,21 @@ def _(x, bits, scheme, group, rotate):
 
 @torch.library.custom_op("kv4::dequantize", mutates_args=())
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    residual: torch.Tensor,
+    bits: int,
+    scheme: str,
+    group: int,
+    rotate: bool,
+    symmetric: bool,
 ) -> torch.Tensor:
     """The whole logical ``[B, H, S, D]`` tensor; used only off the hot path."""
-    return reference.decode(codes, scales, residual, QuantSpec(bits, scheme, group, rotate), residual.dtype)
+    return reference.decode(codes, scales, residual, QuantSpec(bits, scheme, group, rotate, symmetric), residual.dtype)
 
 
 @dequantize.register_fake
-def _(codes, scales, residual, bits, scheme, group, rotate):
+def _(codes, scales, residual, bits, scheme, group, rotate, symmetric):
     B, H, S, _ = codes.shape
     return residual.new_empty((B, H, S + residual.shape[2], residual.shape[3]))
 
@@ -105,16 +121,19 @@ def attention(
     k_scheme: str,
     k_group: int,
     k_rotate: bool,
+    k_symmetric: bool,
     v_bits: int,
     v_scheme: str,
     v_group: int,
     v_rotate: bool,
+    v_symmetric: bool,
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`."""
     return reference.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        QuantSpec(k_bits, k_scheme, k_group, k_rotate), QuantSpec(v_bits, v_scheme, v_group, v_rotate), softcap,
+        QuantSpec(k_bits, k_scheme, k_group, k_rotate, k_symmetric),
+        QuantSpec(v_bits, v_scheme, v_group, v_rotate, v_symmetric), softcap,
     )  # fmt: skip
 
 
@@ -125,7 +144,8 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 
 @attention.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
-    k_spec, v_spec, softcap = QuantSpec(*rest[:4]), QuantSpec(*rest[4:8]), rest[8]
+    n = SPEC_ARGS
+    k_spec, v_spec, softcap = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n]
     kernels = _triton_kernels()
     run = kernels.attention if kernels is not None else reference.attention
     return run(

@@ -34,13 +34,19 @@ class PackedKV(torch.Tensor):
     HF cache code sees an ordinary ``[B, H, S, D]`` tensor (``.shape``, ``cat`` along the
     sequence, batch indexing for beam search, sequence slicing for ``crop``); the storage is
 
-    * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D;
+    * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D
+      (signed codes offset by ``2**(bits-1)`` when ``spec.symmetric``, else unsigned);
     * ``scales``: ``fp16 [B, H, S_q, D // g]`` (``scheme="token"``) or
-      ``fp16 [B, H, S_q // g, D]`` (``scheme="channel"``);
+      ``fp16 [B, H, S_q // g, D]`` (``scheme="channel"``); an asymmetric spec
+      (``spec.symmetric=False``) adds a trailing dimension of 2, ``[..., 0]`` the scale and
+      ``[..., 1]`` the zero point: ``fp16 [B, H, S_q, D // g, 2]`` or
+      ``fp16 [B, H, S_q // g, D, 2]``;
     * ``residual``: ``[B, H, S - S_q, D]`` in the logical dtype: tokens of a per-channel
       group that is not full yet (always empty for ``scheme="token"``).
 
     All three live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
+    Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all three, which
+    is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
     """
 
@@ -96,7 +102,8 @@ class PackedKV(torch.Tensor):
     def __repr__(self):
         return (
             f"PackedKV(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.bits}-bit {self.spec.scheme} "
-            f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}, residual={self.residual.shape[2]})"
+            f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}"
+            f"{'' if self.spec.symmetric else ', asymmetric'}, residual={self.residual.shape[2]})"
         )
 
     # --- tracing ------------------------------------------------------------------------
@@ -134,7 +141,7 @@ torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
 
 def _unrotated(spec: QuantSpec) -> QuantSpec:
     # The residual is already in the rotated domain, so quantizing it must not rotate again.
-    return QuantSpec(spec.bits, spec.scheme, spec.group, rotate=False)
+    return QuantSpec(spec.bits, spec.scheme, spec.group, rotate=False, symmetric=spec.symmetric)
 
 
 def _rotate(x, spec):

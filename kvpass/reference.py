@@ -1,9 +1,12 @@
 """Reference numerics: the specification every kernel is tested against.
 
-Symmetric group quantization, ``bits`` in {2, 4, 8}:
+Group quantization, ``bits`` in {2, 4, 8}, symmetric (the default) or asymmetric.
+
+Symmetric (``spec.symmetric``):
 
 * per group ``scale = fp16(amax / qmax)`` (``qmax = 7`` for int4), and
   ``code = clamp(round(x / scale), -qmax, qmax)``, both with the fp16-rounded scale;
+  ``x ~ code * scale``;
 * codes are stored offset by ``2**(bits-1)`` as unsigned fields, ``8 // bits`` per byte,
   lowest field first, packed along the head dimension;
 * an all-zero group has scale 0 and decodes to exact zeros;
@@ -12,14 +15,31 @@ Symmetric group quantization, ``bits`` in {2, 4, 8}:
 * a group holding NaN or +-inf gets a NaN scale and decodes to all-NaN, so a non-finite
   input is never hidden behind finite numbers (no host sync is needed to detect it).
 
+Asymmetric (``not spec.symmetric``), ``Q = 2**bits - 1`` (15 for int4):
+
+* per group ``scale = fp16((max - min) / Q)`` (the difference and the division in fp32) and
+  zero point ``zero = fp16(min)``; ``code = clamp(round((x - zero) / scale), 0, Q)``, with
+  the fp16-rounded scale and zero point, all in fp32; ``x ~ code * scale + zero``;
+* codes are unsigned, stored as they are (no offset) in the same packed fields;
+* a group whose ``(max - min) / Q`` is 0 in fp16 (all-equal, or a range under
+  ``Q * 2**-25``) has scale 0 and codes 0, and decodes to its zero point ``fp16(min)``:
+  exactly the group's value when all are equal and fp16-representable;
+* a group holding NaN or +-inf, or whose scale or zero point overflows fp16 (only
+  possible for bf16/fp32 inputs), gets NaN scale and zero point and codes 0, and decodes
+  to all-NaN.
+
 The error of every finite element is at most ``scale / 2`` plus the fp16 rounding of the
-scale (:func:`error_bound`).
+scale, plus (asymmetric) the fp16 rounding of the zero point (:func:`error_bound`).
 
 Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the group):
 
 * codes, both schemes: ``uint8 [B, H, S, D * bits // 8]``
 * scales, ``scheme="token"``: ``fp16 [B, H, S, D // g]``
 * scales, ``scheme="channel"``: ``fp16 [B, H, S // g, D]`` (S a multiple of g)
+* asymmetric: the scales tensor gains a trailing dimension of 2, ``[..., 0]`` the scale and
+  ``[..., 1]`` the zero point: ``fp16 [B, H, S, D // g, 2]`` or ``fp16 [B, H, S // g, D, 2]``.
+  Everything that slices, concatenates or indexes the cache along B or S treats both
+  forms alike, and the custom ops keep one ``scales`` argument either way.
 """
 
 from __future__ import annotations
@@ -37,12 +57,20 @@ SCALE_DTYPE = torch.float16
 # --- packing ---------------------------------------------------------------------------
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed integer codes ``[..., D]`` -> ``uint8 [..., D * bits // 8]``."""
+def _code_offset(bits: int, symmetric: bool) -> int:
+    return 1 << (bits - 1) if symmetric else 0
+
+
+def pack_codes(codes: torch.Tensor, bits: int, symmetric: bool = True) -> torch.Tensor:
+    """Integer codes ``[..., D]`` -> ``uint8 [..., D * bits // 8]``.
+
+    Symmetric codes are signed and stored offset by ``2**(bits-1)``; asymmetric codes are
+    unsigned (``0..2**bits - 1``) and stored as they are.
+    """
     per_byte = 8 // bits
     if codes.shape[-1] % per_byte:
         raise ValueError(f"head_dim {codes.shape[-1]} must be a multiple of {per_byte} to pack {bits}-bit codes")
-    unsigned = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    unsigned = (codes.to(torch.int16) + _code_offset(bits, symmetric)).to(torch.uint8)
     fields = unsigned.unflatten(-1, (-1, per_byte))
     packed = torch.zeros(fields.shape[:-1], dtype=torch.uint8, device=codes.device)
     for i in range(per_byte):
@@ -50,12 +78,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed
 
 
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``uint8 [..., D * bits // 8]`` -> signed ``int8 [..., D]``."""
+def unpack_codes(packed: torch.Tensor, bits: int, symmetric: bool = True) -> torch.Tensor:
+    """``uint8 [..., D * bits // 8]`` -> signed ``int8 [..., D]`` (symmetric) or the
+    unsigned fields as ``uint8 [..., D]`` (asymmetric)."""
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     fields = [(packed >> (bits * i)) & mask for i in range(per_byte)]
     unsigned = torch.stack(fields, dim=-1).flatten(-2)
+    if not symmetric:
+        return unsigned
     return (unsigned.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
@@ -72,20 +103,65 @@ def _codes_from(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor
     return torch.clamp(torch.round(x.float() / safe), -qmax, qmax).to(torch.int8)
 
 
-def error_bound(scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Largest |x - dequantize(quantize(x))| for a finite element of a group with ``scale``.
+def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
+    """``(scale, zero)`` of asymmetric groups with minimum ``lo`` and maximum ``hi``."""
+    # -0.0 becomes +0.0, so the stored bits do not depend on which zero a reduction picked.
+    lo = torch.where(lo == 0, 0.0, lo.float())
+    hi = torch.where(hi == 0, 0.0, hi.float())
+    scale = ((hi - lo) / code_max).to(SCALE_DTYPE)
+    zero = lo.to(SCALE_DTYPE)
+    bad = non_finite | ~torch.isfinite(scale) | ~torch.isfinite(zero)
+    nan = torch.full_like(scale, float("nan"))
+    return torch.where(bad, nan, scale), torch.where(bad, nan, zero)
 
-    Round-to-nearest gives ``scale / 2``; rounding ``amax / qmax`` to fp16 can push ``amax``
-    up to ``qmax * ulp(scale) / 2`` past the top code, which then clamps. A flushed group
-    (scale 0) has ``amax / qmax`` below half the smallest fp16 subnormal.
-    """
-    scale = scale.float()
-    ulp = torch.where(
-        scale > 0,
-        torch.exp2(torch.floor(torch.log2(scale.clamp_min(2.0**-24))) - 10).clamp_min(2.0**-24),
-        torch.full_like(scale, 2.0**-24),
+
+def _asym_codes_from(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, code_max: int) -> torch.Tensor:
+    empty = (scale == 0) | scale.isnan()  # flushed or poisoned: codes 0
+    safe = torch.where(empty, torch.ones_like(scale), scale).float()
+    safe_zero = torch.where(empty, torch.zeros_like(zero), zero).float()
+    codes = torch.clamp(torch.round((x.float() - safe_zero) / safe), 0, code_max)
+    return torch.where(empty, torch.zeros_like(codes), codes).to(torch.uint8)
+
+
+def _fp16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of fp16 numbers at ``|v|`` (``2**-24`` in the subnormal range and at 0)."""
+    a = v.float().abs()
+    return torch.where(
+        a > 0,
+        torch.exp2(torch.floor(torch.log2(a.clamp_min(2.0**-24))) - 10).clamp_min(2.0**-24),
+        torch.full_like(a, 2.0**-24),
     )
-    return scale / 2 + spec.qmax * ulp / 2
+
+
+def error_bound(scale: torch.Tensor, spec: QuantSpec, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest |x - dequantize(quantize(x))| for a finite element of a group with ``scale``
+    (and, asymmetric, zero point ``zero``, which is then required).
+
+    Symmetric: round-to-nearest gives ``scale / 2``; rounding ``amax / qmax`` to fp16 can
+    push ``amax`` up to ``qmax * ulp(scale) / 2`` past the top code, which then clamps. A
+    flushed group (scale 0) has ``amax / qmax`` below half the smallest fp16 subnormal.
+
+    Asymmetric, ``Q = 2**bits - 1``, exact ``lo``/``hi`` the group's min/max, ``s`` and ``z``
+    the stored (fp16-rounded) scale and zero point, so ``|s - (hi - lo) / Q| <= ulp(s) / 2``
+    and ``|z - lo| <= ulp(z) / 2``. For ``x`` in ``[lo, hi]``:
+
+    * unclamped code: ``|x - (code * s + z)| <= s / 2`` whatever ``z`` is;
+    * clamped to 0 (``x < z - s/2``): the error is ``z - x <= z - lo <= ulp(z) / 2``;
+    * clamped to Q (``x > z + (Q + 1/2) s``): the error is
+      ``x - Q s - z <= hi - (hi - lo - Q ulp(s) / 2) - (lo - ulp(z) / 2) = Q ulp(s) / 2 + ulp(z) / 2``;
+    * flushed (``s = 0``, ``hi - lo <= Q * 2**-25``; decodes to ``z``):
+      ``|x - z| <= (hi - lo) + |lo - z| <= Q * 2**-24 / 2 + ulp(z) / 2``, ``ulp(0) = 2**-24``.
+
+    All are below ``s / 2 + Q ulp(s) / 2 + ulp(z) / 2``. The fp32 rounding of ``x - z``,
+    the division and ``code * s + z`` is relative ``2**-24``, far inside the slack the two fp16
+    terms leave in every case (``ulp(z) / 2 >= 2**-12 |z|``).
+    """
+    bound = scale.float() / 2 + spec.code_max * _fp16_ulp(scale) / 2
+    if spec.symmetric:
+        return bound
+    if zero is None:
+        raise ValueError("an asymmetric spec's error bound needs the zero points")
+    return bound + _fp16_ulp(zero) / 2
 
 
 # --- rotation --------------------------------------------------------------------------
@@ -115,11 +191,39 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 # --- quantize / dequantize -------------------------------------------------------------
 
 
+def split_scales(scales: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scale, zero)`` from a stored scales tensor; ``zero`` is None for a symmetric spec."""
+    if spec.symmetric:
+        return scales, None
+    return scales[..., 0], scales[..., 1]
+
+
+def _quantize_asym(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, S, D = x.shape
+    code_max = spec.code_max
+    if spec.scheme == "token":
+        g = spec.token_group(D)
+        groups = x.reshape(B, H, S, D // g, g).float()
+        dim, expand = -1, (lambda p: p[..., None])
+    else:
+        g = spec.group
+        if S % g:
+            raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
+        groups = x.reshape(B, H, S // g, g, D).float()
+        dim, expand = 3, (lambda p: p[:, :, :, None, :])
+    non_finite = ~torch.isfinite(groups).all(dim)
+    scale, zero = _asym_params(groups.amin(dim), groups.amax(dim), non_finite, code_max)
+    codes = _asym_codes_from(groups, expand(scale), expand(zero), code_max).reshape(B, H, S, D)
+    return pack_codes(codes, spec.bits, symmetric=False), torch.stack([scale, zero], dim=-1)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [B, H, S, D]`` -> ``(codes, scales)`` in the layout of the module docstring.
 
     Rotation is not applied here (see :func:`encode`).
     """
+    if not spec.symmetric:
+        return _quantize_asym(x, spec)
     B, H, S, D = x.shape
     qmax = spec.qmax
     if spec.scheme == "token":
@@ -139,14 +243,25 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize` (up to the quantization error), ``[B, H, S, D]``."""
-    q = unpack_codes(codes, spec.bits).float()
+    q = unpack_codes(codes, spec.bits, spec.symmetric).float()
     B, H, S, D = q.shape
+    scale, zero = split_scales(scales, spec)
     if spec.scheme == "token":
-        g = D // scales.shape[-1]
-        x = q.reshape(B, H, S, D // g, g) * scales.float()[..., None]
+        g = D // scale.shape[-1]
+        q = q.reshape(B, H, S, D // g, g)
+
+        def expand(p):
+            return p.float()[..., None]
     else:
         g = spec.group
-        x = q.reshape(B, H, S // g, g, D) * scales.float()[:, :, :, None, :]
+        q = q.reshape(B, H, S // g, g, D)
+
+        def expand(p):
+            return p.float()[:, :, :, None, :]
+
+    x = q * expand(scale)
+    if zero is not None:
+        x = x + expand(zero)
     return x.reshape(B, H, S, D).to(dtype)
 
 

@@ -41,8 +41,9 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
     [
         (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
         (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
+        (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
     ],
-    ids=["kivi", "rotated"],
+    ids=["kivi", "rotated", "asym"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -61,8 +62,8 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     fp_logits = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits
 
     backend = kvpass.kv4(
-        k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate,
-        v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate,
+        k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
+        v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
     )  # fmt: skip
     step = torch.compile(model, backend=backend)
     cache = DynamicCache()
@@ -142,6 +143,7 @@ def test_backend_string_works_in_a_process_that_never_imports_kvpass():
         ({"v_group": 100}, "group must be a power of two >= 2, got 100"),
         ({"inner": "cudagraphs"}, r"inner must be one of \['eager', 'aot_eager', 'inductor'\], got 'cudagraphs'"),
         ({"v_scheme": "channel"}, "v_scheme='channel' is not supported"),
+        ({"symmetric": "no"}, "symmetric must be True or False, got 'no'"),
     ],
 )
 def test_invalid_settings_name_the_setting_and_accepted_values(kwargs, message):

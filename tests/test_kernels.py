@@ -31,9 +31,9 @@ from kvpass.kernels import attention, quantize  # noqa: E402
 # Tolerances of the fused attention against the fp32 reference, per input dtype:
 # - fp32: operands stay fp32 and the dots are IEEE fp32; only summation order and exp
 #   differ, a few ulp of outputs that are O(1).
-# - fp16: q, the dequantized K/V (exact codes times an fp16 scale) and the softmax weights
-#   are rounded to fp16 (2**-11 relative) before the tensor-core dot, and the output is
-#   rounded to fp16; outputs are averages of N(0, 1) values, so |out| < 4 and one fp16 ulp
+# - fp16: q, the dequantized K/V (exact codes times an fp16 scale, plus the zero point when
+#   asymmetric) and the softmax weights are rounded to fp16 (2**-11 relative) before the
+#   tensor-core dot, and the output is rounded to fp16; outputs are averages of N(0, 1) values, so |out| < 4 and one fp16 ulp
 #   there is 2e-3.
 # - bf16: the same roundings at 2**-8 relative; one bf16 ulp at |out| < 4 is 1.6e-2.
 TOLERANCE = {
@@ -47,6 +47,13 @@ ROTATED = (QuantSpec(bits=4, scheme="token", group=128, rotate=True), QuantSpec(
 INT2_INT8 = (QuantSpec(bits=2, scheme="channel", group=16), QuantSpec(bits=8, scheme="token", group=32))
 TOKEN_GROUPS = (QuantSpec(bits=4, scheme="token", group=32), QuantSpec(bits=2, scheme="token", group=64))
 SPECS = {"kivi": KIVI, "rotated": ROTATED, "int2_int8": INT2_INT8, "token_groups": TOKEN_GROUPS}
+# Asymmetric (zero-point) specs; kept out of SPECS so DECODE_CASES' sample stays as it was.
+ASYM = (
+    QuantSpec(bits=4, scheme="channel", group=64, symmetric=False),
+    QuantSpec(bits=4, scheme="token", group=64, rotate=True, symmetric=False),
+)
+ASYM_INT2_INT8 = (QuantSpec(bits=2, scheme="token", group=16, symmetric=False), QuantSpec(bits=8, scheme="token", group=32, symmetric=False))
+SPECS_ASYM = {"asym": ASYM, "asym_int2_int8": ASYM_INT2_INT8}
 
 
 def _bits_equal(a, b):
@@ -69,6 +76,10 @@ def _hard_values(shape, dtype, generator):
     x[-1, -1, 4, 0] = -float("inf")
     # amax 7 gives scale 1, so these land exactly on rounding ties (half to even).
     x[0, 0, 5] = torch.tensor([7.0, 2.5, -2.5, 0.5, -1.5, 3.5, 6.5, -6.5]).repeat(shape[-1] // 8)
+    if shape[2] > 7:
+        # Asymmetric int4: min 0, max 15 give scale 1 and zero point 0, so ties again.
+        x[0, 0, 6] = torch.tensor([0.0, 15.0, 2.5, 0.5, 7.5, 13.5, 1.5, 14.5]).repeat(shape[-1] // 8)
+        x[0, 0, 7] = -3.3  # all-equal groups whose value fp16 cannot hold
     return x.to(dtype)
 
 
@@ -84,8 +95,13 @@ def _hard_values(shape, dtype, generator):
         (QuantSpec(bits=2, scheme="channel", group=16), (1, 3, 32, 40)),
         (QuantSpec(bits=8, scheme="channel", group=8), (2, 1, 16, 128)),
         (QuantSpec(bits=4, scheme="token", group=128), (1, 2, 7, 80)),
+        (QuantSpec(bits=4, scheme="token", group=64, symmetric=False), (2, 3, 17, 128)),
+        (QuantSpec(bits=2, scheme="channel", group=16, symmetric=False), (1, 3, 32, 40)),
+        (QuantSpec(bits=8, scheme="token", group=32, symmetric=False), (1, 2, 9, 80)),
     ],
-    ids=lambda v: f"{v.bits}b-{v.scheme}-g{v.group}" if isinstance(v, QuantSpec) else "x".join(map(str, v)),
+    ids=lambda v: f"{v.bits}b-{v.scheme}-g{v.group}{'' if v.symmetric else '-asym'}"
+    if isinstance(v, QuantSpec)
+    else "x".join(map(str, v)),
 )
 def test_quantize_bit_exact(spec, shape, dtype):
     gen = torch.Generator().manual_seed(sum(shape) + spec.bits)
@@ -226,6 +242,32 @@ def test_prefill_matches_reference(past, q_len, heads, head_dim, dtype, specs, m
     elif mask == "bias":
         attn_mask = torch.randn(batch, q_heads, q_len, total, generator=torch.Generator().manual_seed(3)).to(dtype)
     _check(args, attn_mask, mask == "causal", SPECS[specs], dtype)
+
+
+ASYM_CASES = [
+    # past, q_len, heads, head_dim, dtype, specs, mask (as in PREFILL_CASES; q_len 1 is decode)
+    (130, 1, (8, 2), 64, torch.float16, "asym", None),
+    (300, 1, (4, 1), 128, torch.float32, "asym", None),
+    (65, 9, (4, 2), 64, torch.float32, "asym_int2_int8", "chunk"),
+    (70, 5, (2, 2), 64, torch.bfloat16, "asym", "causal"),
+]
+
+
+@pytest.mark.parametrize("past, q_len, heads, head_dim, dtype, specs, mask", ASYM_CASES)
+def test_asymmetric_matches_reference(past, q_len, heads, head_dim, dtype, specs, mask):
+    """Zero points dequantized in registers: ``code * scale + zero``."""
+    batch = 2
+    q_heads, kv_heads = heads
+    specs = SPECS_ASYM[specs]
+    args = _inputs(batch, q_heads, kv_heads, q_len, past, q_len, head_dim, dtype, specs, seed=past + q_len)
+    # A mostly one-signed K (as after a bias) is where zero points matter: shift it off zero.
+    gen = torch.Generator().manual_seed(past)
+    k = (torch.randn(batch, kv_heads, past, head_dim, generator=gen) * 0.5 + 1.0).to(dtype)
+    args = (args[0], *_store(k, specs[0]), *args[4:])
+    attn_mask = None
+    if mask == "chunk":
+        attn_mask = torch.arange(past + q_len)[None, :] <= torch.arange(q_len)[:, None] + past
+    _check(args, attn_mask, mask == "causal", specs, dtype)
 
 
 def test_strided_output_and_fully_masked_row():

@@ -8,6 +8,7 @@ from kvpass.config import QuantSpec
 
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True))
+ASYM = (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False))
 
 
 def _stored(x, spec):
@@ -31,7 +32,14 @@ def _attention_args(past, new, specs, mask=False, dtype=torch.float32):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", [KIVI[0], KIVI[1], QuantSpec(2, "token", 32, True), QuantSpec(8, "channel", 32)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        KIVI[0], KIVI[1], QuantSpec(2, "token", 32, True), QuantSpec(8, "channel", 32),
+        QuantSpec(4, "token", 32, True, symmetric=False), QuantSpec(2, "channel", 32, symmetric=False),
+    ],
+    ids=lambda s: s.tag,
+)  # fmt: skip
 def test_opcheck_quantize_and_dequantize(spec):
     x = torch.randn(2, 3, 64, 64)
     torch.library.opcheck(ops.quantize, (x, *ops.spec_args(spec)))
@@ -39,10 +47,22 @@ def test_opcheck_quantize_and_dequantize(spec):
     torch.library.opcheck(ops.dequantize, (codes, scales, x[:, :, :5], *ops.spec_args(spec)))
 
 
-@pytest.mark.parametrize("specs", [KIVI, ROTATED], ids=["kivi", "rotated"])
+@pytest.mark.parametrize("specs", [KIVI, ROTATED, ASYM], ids=["kivi", "rotated", "asym"])
 @pytest.mark.parametrize("past, new, mask", [(0, 4, False), (70, 1, False), (130, 3, True)])
 def test_opcheck_attention(specs, past, new, mask):
     torch.library.opcheck(ops.attention, _attention_args(past, new, specs, mask))
+
+
+def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
+    x = torch.randn(1, 2, 128, 64) + 5.0
+    for spec, shape in [(ASYM[0], (1, 2, 2, 64, 2)), (ASYM[1], (1, 2, 128, 1, 2))]:
+        codes, scales = ops.quantize(x, *ops.spec_args(spec))
+        assert codes.shape == (1, 2, 128, 32) and scales.shape == shape
+        expected = reference.encode(x, spec)
+        assert torch.equal(codes, expected[0]) and torch.equal(scales, expected[1])
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake_codes, fake_scales = ops.quantize(mode.from_tensor(x), *ops.spec_args(spec))
+        assert fake_scales.shape == shape and fake_codes.shape == codes.shape
 
 
 def test_cpu_attention_never_dequantizes_more_than_a_block(monkeypatch):

@@ -10,7 +10,13 @@ from kvpass.config import QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
 
-SPECS = [QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128), QuantSpec(4, "token", 32, rotate=True)]
+SPECS = [
+    QuantSpec(4, "channel", 64),
+    QuantSpec(4, "token", 128),
+    QuantSpec(4, "token", 32, rotate=True),
+    QuantSpec(4, "channel", 64, symmetric=False),
+    QuantSpec(4, "token", 64, rotate=True, symmetric=False),
+]
 
 
 @pytest.fixture(params=SPECS, ids=lambda s: s.tag)
@@ -29,9 +35,11 @@ def test_inner_tensors_have_documented_shapes_and_bytes(spec):
     assert p.shape == x.shape and p.dtype == torch.float16
     assert p.codes.dtype == torch.uint8 and p.codes.shape == (3, 2, 256, 32)
     if spec.scheme == "channel":
-        assert p.scales.shape == (3, 2, 4, 64)
+        scales_shape = (3, 2, 4, 64)
     else:
-        assert p.scales.shape == (3, 2, 256, 64 // min(spec.group, 64))
+        scales_shape = (3, 2, 256, 64 // min(spec.group, 64))
+    # asymmetric: (scale, zero point) in a trailing dimension
+    assert p.scales.shape == (scales_shape if spec.symmetric else (*scales_shape, 2))
     assert p.stored_bytes() <= 0.30 * x.numel() * 2
 
 

@@ -15,14 +15,32 @@ SPECS = [
     QuantSpec(4, "channel", 32),
     QuantSpec(8, "token", 64),
     QuantSpec(2, "channel", 64),
+    QuantSpec(4, "token", 32, symmetric=False),
+    QuantSpec(4, "channel", 64, symmetric=False),
+]
+ASYM_SPECS = [
+    QuantSpec(bits, scheme, group, symmetric=False)
+    for bits, scheme, group in [(2, "token", 32), (4, "token", 64), (8, "token", 64), (2, "channel", 32), (4, "channel", 64), (8, "channel", 16)]
 ]
 
 
-def _scale_per_element(scales, spec, shape):
+def _per_element(params, spec, shape):
     B, H, S, D = shape
     if spec.scheme == "token":
-        return scales.repeat_interleave(D // scales.shape[-1], dim=-1)
-    return scales.repeat_interleave(spec.group, dim=2)
+        return params.repeat_interleave(D // params.shape[-1], dim=-1)
+    return params.repeat_interleave(spec.group, dim=2)
+
+
+def _scale_per_element(scales, spec, shape):
+    return _per_element(scales, spec, shape)
+
+
+def _bound(scales, spec, shape):
+    """Per-element error bound from stored scales (and zero points, asymmetric)."""
+    scale, zero = R.split_scales(scales, spec)
+    return R.error_bound(
+        _per_element(scale, spec, shape), spec, None if zero is None else _per_element(zero, spec, shape)
+    )
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.tag)
@@ -31,10 +49,113 @@ def test_error_within_half_a_step(spec):
     x = torch.randn(2, 3, 128, 64) * torch.logspace(-3, 2, 64)  # channels of very different size
     codes, scales = R.quantize(x, spec)
     y = R.dequantize(codes, scales, spec)
-    bound = R.error_bound(_scale_per_element(scales, spec, x.shape), spec)
+    bound = _bound(scales, spec, x.shape)
     assert ((x - y).abs() <= bound).all()
     # the bound is tight: some element lands near half a step from its code
     assert ((x - y).abs() > 0.4 * bound).any()
+
+
+# --- asymmetric ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("spec", ASYM_SPECS, ids=lambda s: s.tag)
+def test_asymmetric_error_bound_and_gain_on_skewed_data(spec, dtype):
+    """On one-signed, skewed groups the asymmetric grid uses every level: its error is
+    within ``scale/2`` plus the fp16 rounding of scale and zero point, and well below the
+    symmetric grid's (which spends half its codes on values the group never takes)."""
+    torch.manual_seed(spec.bits)
+    x = (torch.randn(2, 3, 128, 64).exp() + 3.0).to(dtype)  # in (3, 60): zero point far from 0
+    codes, scales = R.quantize(x, spec)
+    assert scales.shape[-1] == 2 and scales.dtype == torch.float16
+    y = R.dequantize(codes, scales, spec)
+    err = (x.float() - y).abs()
+    bound = _bound(scales, spec, x.shape)
+    assert (err <= bound).all()
+    assert (err > 0.4 * bound).any()
+    assert R.unpack_codes(codes, spec.bits, symmetric=False).max() == spec.code_max  # the top code is used
+    symmetric = QuantSpec(spec.bits, spec.scheme, spec.group)
+    sym_err = (x.float() - R.dequantize(*R.quantize(x, symmetric), symmetric)).abs()
+    assert err.pow(2).mean() < 0.5 * sym_err.pow(2).mean()
+
+
+def test_asymmetric_all_equal_group_decodes_exactly_to_its_value():
+    x = torch.randn(1, 2, 64, 64)
+    x[0, 0, 3, :32] = -2.75  # one token group
+    x[0, 0, 5, 32:] = 0.0  # another
+    x[0, 1, :, 40] = 1000.5  # one channel group (fp16-representable)
+    for spec in (QuantSpec(4, "token", 32, symmetric=False), QuantSpec(4, "channel", 64, symmetric=False)):
+        codes, scales = R.quantize(x, spec)
+        y = R.dequantize(codes, scales, spec)
+        scale, zero = R.split_scales(scales, spec)
+        flat = _per_element(scale, spec, x.shape) == 0
+        # scale 0: codes 0, decoded as the zero point, which is the group's value
+        assert torch.equal(R.unpack_codes(codes, 4, symmetric=False)[flat], torch.zeros(int(flat.sum()), dtype=torch.uint8))
+        if spec.scheme == "token":
+            assert scale[0, 0, 3, 0] == 0 and zero[0, 0, 3, 0] == -2.75 and scale[0, 0, 5, 1] == 0
+            assert flat.sum() == 64
+        else:
+            assert scale[0, 1, 0, 40] == 0 and zero[0, 1, 0, 40] == 1000.5
+            assert flat.sum() == 64
+        assert torch.equal(y[flat], x[flat])
+    # not fp16-representable (fp32 input): decodes to fp16(value), within the zero point's rounding
+    spec = QuantSpec(4, "token", 32, symmetric=False)
+    x32 = torch.full((1, 1, 1, 32), 0.1)
+    codes, scales = R.quantize(x32, spec)
+    y = R.dequantize(codes, scales, spec)
+    assert scales[..., 0].item() == 0 and torch.equal(y, torch.full_like(x32, torch.tensor(0.1).half().item()))
+    assert ((x32 - y).abs() <= _bound(scales, spec, x32.shape)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_asymmetric_non_finite_input_poisons_exactly_its_group(bad):
+    for spec in (QuantSpec(4, "token", 32, symmetric=False), QuantSpec(2, "channel", 64, symmetric=False)):
+        x = torch.randn(1, 1, 64, 64)
+        x[0, 0, 3, 5] = bad
+        codes, scales = R.quantize(x, spec)
+        y = R.dequantize(codes, scales, spec)
+        expected = torch.zeros_like(y, dtype=torch.bool)
+        if spec.scheme == "token":
+            expected[0, 0, 3, :32] = True
+        else:
+            expected[0, 0, :, 5] = True
+        assert torch.equal(y.isnan(), expected)
+        assert scales.isnan().sum() == 2  # the group's scale and zero point, nothing else
+
+
+def test_asymmetric_group_out_of_fp16_range_is_poisoned():
+    """bf16/fp32 inputs can hold a minimum or a range fp16 cannot store: NaN, never a wrong finite value."""
+    spec = QuantSpec(4, "token", 32, symmetric=False)
+    x = torch.randn(1, 1, 3, 32)
+    x[0, 0, 1, 0] = -1e5  # zero point overflows fp16
+    x[0, 0, 2, 0], x[0, 0, 2, 1] = -6e5, 6e5  # scale (range / 15) overflows fp16
+    y = R.dequantize(*R.quantize(x, spec), spec)
+    assert y[0, 0, 0].isfinite().all() and y[0, 0, 1:].isnan().all()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_asymmetric_pack_round_trip_uses_the_symmetric_fields(bits):
+    codes = torch.randint(0, 2**bits, (2, 3, 5, 64), dtype=torch.uint8)
+    packed = R.pack_codes(codes, bits, symmetric=False)
+    assert packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(R.unpack_codes(packed, bits, symmetric=False), codes)
+    # same layout: unsigned code c is the field of symmetric code c - 2**(bits-1)
+    signed = (codes.to(torch.int16) - 2 ** (bits - 1)).to(torch.int8)
+    assert torch.equal(R.pack_codes(signed, bits), packed)
+
+
+def test_asymmetric_tag_round_trip_and_symmetric_tags_unchanged():
+    assert QuantSpec(4, "token", 64, rotate=True).tag == "int4:token:64:rot"
+    assert QuantSpec(4, "channel", 64).tag == "int4:channel:64"
+    for spec, tag in [
+        (QuantSpec(4, "token", 64, rotate=True, symmetric=False), "int4:token:64:rot:asym"),
+        (QuantSpec(2, "channel", 32, symmetric=False), "int2:channel:32:asym"),
+        (QuantSpec(8, "token", 16, rotate=True), "int8:token:16:rot"),
+    ]:
+        assert spec.tag == tag and QuantSpec.from_tag(tag) == spec
+    with pytest.raises(ValueError, match="bad QuantSpec tag"):
+        QuantSpec.from_tag("int4:token:64:asym:rot")
+    assert QuantSpec(symmetric=False).code_max == 15 and QuantSpec().code_max == 7
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -136,6 +257,7 @@ def test_hadamard_is_orthonormal_and_involutive(n):
         ({"bits": 3}, "bits must be one of [2, 4, 8], got 3"),
         ({"scheme": "row"}, "scheme must be one of ['channel', 'token'], got 'row'"),
         ({"group": 48}, "group must be a power of two >= 2, got 48"),
+        ({"symmetric": 0}, "symmetric must be True or False, got 0"),
     ],
 )
 def test_bad_spec_names_setting_and_accepted_values(kwargs, message):
@@ -165,8 +287,9 @@ def _stored(x, spec):
     [
         (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
         (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
+        (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
     ],
-    ids=["kivi", "rotated"],
+    ids=["kivi", "rotated", "asym"],
 )
 @pytest.mark.parametrize("new, causal", [(1, False), (5, True)])
 def test_blockwise_attention_equals_sdpa_over_dequantized_cache(past, k_spec, v_spec, new, causal):
