@@ -76,6 +76,21 @@ def _(x, bits, scheme, group, rotate, symmetric):
     return kernels.quantize(reference.rotate(x) if rotate else x, spec)
 
 
+# --- rotate ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("kv4::rotate", mutates_args=())
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` over the last dimension (:func:`kvpass.reference.rotate`), its own inverse."""
+    # An op, not inline torch code, so tracing never meets the cached Hadamard constant.
+    return reference.rotate(x)
+
+
+@rotate.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 # --- dequantize ------------------------------------------------------------------------
 
 

@@ -81,12 +81,12 @@ class PackedKV(torch.Tensor):
 
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
-        stored = _rotate(new, self.spec)
-        if self.spec.scheme == "token":
+        if self.spec.scheme == "token":  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.spec_args(self.spec))
             return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), self.residual, self.spec)
         # Residual tokens join the new ones; every whole group among them is quantized now.
         # Floor division instead of a branch keeps symbolic lengths free of guards.
+        stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
         n_full = pending.shape[2] // self.spec.group * self.spec.group
         codes, scales = ops.quantize(pending[:, :, :n_full], *ops.spec_args(_unrotated(self.spec)))
@@ -142,14 +142,6 @@ torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
 def _unrotated(spec: QuantSpec) -> QuantSpec:
     # The residual is already in the rotated domain, so quantizing it must not rotate again.
     return QuantSpec(spec.bits, spec.scheme, spec.group, rotate=False, symmetric=spec.symmetric)
-
-
-def _rotate(x, spec):
-    if not spec.rotate or spec.scheme == "token":
-        return x  # per-token: kv4::quantize rotates as it quantizes
-    from kvpass.reference import rotate
-
-    return rotate(x)
 
 
 def _cat(a, b):

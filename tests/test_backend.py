@@ -42,8 +42,9 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
         (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
         (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
+        (QuantSpec(4, "channel", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
     ],
-    ids=["kivi", "rotated", "asym"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
