@@ -8,8 +8,8 @@ others), how many tokens a sliding-window layer keeps, and how many KV heads the
 ``kvpass.models_zoo`` name, or a ``PretrainedConfig``) or from explicit
 ``(layers, kv_heads, head_dim)``.
 
-kv4 is costed as the backend's default stores it: 4-bit codes plus one 16-bit scale per
-group. A per-token group spans ``gcd(group, head_dim)`` channels of one token (64 at
+kv4 is costed as the backend's default stores it: 4-bit codes plus, per group, a 16-bit
+scale (and a 16-bit zero point when asymmetric). A per-token group spans ``gcd(group, head_dim)`` channels of one token (64 at
 head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
 channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
 left out, as it is negligible at the context lengths where the cache matters. fp8 and int8
@@ -107,9 +107,14 @@ def element_bits(
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
     return (
-        4 + SCALE_BITS / _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim),
-        4 + SCALE_BITS / _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim),
+        4 + _group_bits(_DEFAULT.k) / _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim),
+        4 + _group_bits(_DEFAULT.v) / _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim),
     )
+
+
+def _group_bits(spec) -> int:
+    """Bits stored once per group: an fp16 scale, and an fp16 zero point if asymmetric."""
+    return SCALE_BITS * (1 if spec.symmetric else 2)
 
 
 def _scale_span(scheme: str, group: int, head_dim: int) -> int:
