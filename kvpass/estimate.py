@@ -9,8 +9,8 @@ others), how many tokens a sliding-window layer keeps, and how many KV heads the
 ``(layers, kv_heads, head_dim)``.
 
 kv4 is costed as the backend's default stores it: 4-bit codes plus, per group, a 16-bit
-scale (and a 16-bit zero point when asymmetric). A per-token group spans ``gcd(group, head_dim)`` channels of one token (64 at
-head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
+scale (and a 16-bit zero point when asymmetric). A per-token group spans
+``gcd(group, head_dim)`` channels of one token (64 at head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
 channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
 left out, as it is negligible at the context lengths where the cache matters. fp8 and int8
 are costed without scales.
