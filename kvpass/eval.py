@@ -134,7 +134,6 @@ class Runner:
         self.method = method
         self.model = model
         self.backend = None
-        layers = model.config.num_hidden_layers
         if method.kind == "fp":
             self.step, self.new_cache = model, DynamicCache
         elif method.kind == "sim":
@@ -447,9 +446,8 @@ def _tokenize(tokenizer, text: str, needed: int) -> torch.Tensor:
 
 
 def run(args) -> int:
-    from kvpass import packed, simulate, text_data  # noqa: F401 - imported before a long run starts
+    from kvpass import text_data
     from kvpass.models_zoo.real_model import load_smollm2
-    from transformers import QuantizedCache  # noqa: F401
 
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if args.threads:

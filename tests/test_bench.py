@@ -5,7 +5,6 @@ import argparse
 import pytest
 import torch
 
-from kvpass import bench
 from kvpass.bench import decode, memory
 
 TINY = dict(hidden=128, layers=1)
