@@ -67,3 +67,34 @@ def test_issue_families_generate_with_model_compile(name):
     out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 48)
     assert all(isinstance(layer.keys, PackedKV) for layer in _attention_layers(out.past_key_values))
+
+
+# kv4 and the simulation round differently only at the model dtype's precision: bf16 keeps
+# 8 mantissa bits (logits ~1, so ~4e-3 per rounding), fp16 11 bits.
+HALF_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@torch.no_grad()
+def test_half_precision_model_matches_reference(dtype):
+    torch._dynamo.reset()
+    model = build("llama_hd128", dtype=dtype)
+    ids = torch.randint(2, 200, (2, 70), generator=torch.Generator().manual_seed(0))
+    nxt = ids[:, :1]
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    cache = DynamicCache()
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits.float()
+    assert cache.layers[0].keys.dtype == dtype and cache.layers[0].keys.residual.dtype == dtype
+
+    reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
+    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits.float()
+    unquantized = DynamicCache()
+    model(input_ids=ids, past_key_values=unquantized, use_cache=True)
+    fp = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits.float()
+
+    tolerance = HALF_TOLERANCE[dtype]
+    assert (got - expected).abs().max() <= tolerance
+    assert (got - fp).abs().max() > 2 * tolerance  # quantization shows above the rounding noise
