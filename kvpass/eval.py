@@ -51,6 +51,7 @@ from typing import Callable
 import torch
 
 from kvpass.config import QuantSpec
+from kvpass.tables import render_table
 
 log = logging.getLogger("kvpass")
 
@@ -390,13 +391,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
                 f"{r['kv_bytes_per_token']:,.0f}", f"{secs:.0f}",
             ]  # fmt: skip
         lines.append(cells)
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        out += ["| " + " | ".join(c) + " |" for c in lines]
-        return "\n".join(out)
-    widths = [max(len(h), *(len(c[i]) for c in lines)) if lines else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+    return render_table(header, lines, markdown)
 
 
 def machine() -> dict:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from kvpass.tables import render_table
+
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
 _HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "quanto": "quanto"}
 
@@ -115,12 +117,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
             r["method"], str(r["batch"]), str(r["ctx"]), f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}",
             f"{r['ratio_fp']:.2f}" if "ratio_fp" in r else "", f"{r['fill_s']:.1f}", f"{r['warmup_s']:.1f}",
         ])  # fmt: skip
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in lines])
-    widths = [max([len(h)] + [len(c[i]) for c in lines]) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+    return render_table(header, lines, markdown)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpass.tables import render_table
+
 DEFAULT_CACHES = "fp16,bf16,kv4,quanto"
 
 
@@ -93,12 +95,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
             f"{r['bytes_per_token']:,.0f}", f"{r['ratio_fp16']:.3f}", f"{r['peak_rss_mib']:,.0f} MiB",
             f"{r['growth_mib']:,.0f} MiB", f"{r['seconds']:.1f}",
         ])  # fmt: skip
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(out + ["| " + " | ".join(c) + " |" for c in lines])
-    widths = [max([len(h)] + [len(c[i]) for c in lines]) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines])
+    return render_table(header, lines, markdown)
 
 
 def plot(rows: list[dict], path: str) -> None:
