@@ -8,4 +8,13 @@ from kvpass.backend import default_backend, kv4
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
-__all__ = ["KVConfig", "PackedKV", "QuantSpec", "default_backend", "kv4"]
+__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "kv4"]
+
+
+def __getattr__(name):
+    # kvpass.static imports transformers' cache classes; only pay for that when asked.
+    if name == "StaticKVCache":
+        from kvpass.static import StaticKVCache
+
+        return StaticKVCache
+    raise AttributeError(f"module 'kvpass' has no attribute {name!r}")

@@ -129,9 +129,9 @@ def kv4(
     return rewrite_then(_inner(config.inner), config)
 
 
-def kv4_backend(gm: torch.fx.GraphModule, example_inputs):
+def kv4_backend(gm: torch.fx.GraphModule, example_inputs, **compile_options):
     """``backend="kv4"``: the default settings (registered as a ``torch_dynamo_backends`` entry point)."""
-    return default_backend()(gm, example_inputs)
+    return default_backend()(gm, example_inputs, **compile_options)
 
 
 @functools.cache

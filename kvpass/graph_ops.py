@@ -37,12 +37,17 @@ def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:
     return _as_packed(past, _spec(spec)).append(new)
 
 
+def kv4_write_(buffer: PackedKV, positions: torch.Tensor, new: torch.Tensor) -> None:
+    """``buffer.index_copy_(2, positions, new)`` of a static cache, quantizing in place."""
+    ops.write_(buffer.codes, buffer.scales, positions, new.to(buffer.dtype), *ops.spec_args(buffer.spec))
+
+
 def kv4_sdpa(
     q: torch.Tensor,
     past_k: torch.Tensor,
-    k_new: torch.Tensor,
+    k_new: torch.Tensor | None,
     past_v: torch.Tensor,
-    v_new: torch.Tensor,
+    v_new: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
     scale: float | None,
     is_causal: bool,
@@ -53,9 +58,12 @@ def kv4_sdpa(
     """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored.
 
     ``softcap`` is Gemma-2's ``cap * tanh(scores / cap)``, found in eager attention graphs.
+    No new tokens (``None``): a static cache, whose buffer already holds them.
     """
     k_spec_, v_spec_ = _spec(k_spec), _spec(v_spec)
     k, v = _as_packed(past_k, k_spec_), _as_packed(past_v, v_spec_)
+    if k_new is None:
+        k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return ops.attention(

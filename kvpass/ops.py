@@ -76,6 +76,25 @@ def _(x, bits, scheme, group, rotate, symmetric):
     return kernels.quantize(reference.rotate(x) if rotate else x, spec)
 
 
+# --- write (static caches) -------------------------------------------------------------
+
+
+@torch.library.custom_op("kv4::write_", mutates_args=("codes", "scales"))
+def write_(
+    codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
+    bits: int, scheme: str, group: int, rotate: bool, symmetric: bool,
+) -> None:  # fmt: skip
+    """Quantize ``x [B, H, T, D]`` into token slots ``index`` of a preallocated per-token cache."""
+    new_codes, new_scales = quantize(x, bits, scheme, group, rotate, symmetric)
+    codes.index_copy_(2, index, new_codes)
+    scales.index_copy_(2, index, new_scales)
+
+
+@write_.register_fake
+def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric):
+    return None
+
+
 # --- rotate ---------------------------------------------------------------------------
 
 

@@ -79,6 +79,23 @@ class PackedKV(torch.Tensor):
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
         return _empty_like(x, spec).append(x)
 
+    @classmethod
+    def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
+        """A preallocated ``[B, H, S, D]`` cache of zeros (static caches), never materialised in fp."""
+        if spec.scheme != "token":
+            raise ValueError(
+                f"a preallocated (static) cache needs per-token groups, got scheme={spec.scheme!r}; "
+                "per-channel groups need their tokens in order"
+            )
+        B, H, S, D = shape
+        empty = _empty_like(torch.empty((B, H, 0, D), dtype=dtype, device=device), spec)
+        # Zero scales decode every slot to exactly zero, whatever its codes.
+        return PackedKV(
+            empty.codes.new_zeros((B, H, S, *empty.codes.shape[3:])),
+            empty.scales.new_zeros((B, H, S, *empty.scales.shape[3:])),
+            empty.residual, spec,
+        )  # fmt: skip
+
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
         if self.spec.scheme == "token":  # kv4::quantize rotates as it quantizes
@@ -177,6 +194,16 @@ def _cat_impl(func, args, kwargs):
     # HF's first update concatenates onto an empty 1-D tensor; skip those.
     rest = [t for t in rest if t.dim() == 4]
     return head.append(torch.cat(rest, dim=2)) if rest else head
+
+
+@_implements(aten.index_copy_.default)
+def _index_copy_impl(func, args, kwargs):
+    t, dim, index, source = args
+    if not _seq_dim(dim) or t.spec.scheme != "token" or isinstance(source, PackedKV):
+        return NotImplemented
+    # StaticLayer.update: quantize the new tokens straight into their slots.
+    ops.write_(t.codes, t.scales, index, source.to(t.dtype), *ops.spec_args(t.spec))
+    return t
 
 
 @_implements(aten.index_select.default)

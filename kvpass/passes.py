@@ -73,7 +73,7 @@ class _Attention:
 
 @dataclasses.dataclass
 class _CacheWrite:
-    cat: fx.Node
+    cat: fx.Node  # the write: torch.cat (DynamicCache) or buffer.index_copy_ (StaticCache)
     past: fx.Node | None  # None: the empty tensor of a fresh DynamicCache layer
     new: fx.Node
     chain: list[fx.Node]  # view nodes between the cat and SDPA, nearest to SDPA first
@@ -143,6 +143,8 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 
 def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     root, chain = _walk_view_chain(arg)
+    if root.op == "placeholder":
+        return _static_cache_write(root, chain, role)
     if not (root.op == "call_function" and root.target is torch.cat):
         raise NoMatch(f"{role} does not come from a cache write (torch.cat along the sequence); it is {root.format_node()}")
     tensors = root.args[0]
@@ -166,6 +168,23 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
     return _CacheWrite(root, past, new, chain, evictions)
+
+
+def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _CacheWrite:
+    """``buffer.index_copy_(2, positions, new)`` into a preallocated cache, then attention over it."""
+    writes = [
+        n for n in buffer.users
+        if n.op == "call_method" and n.target == "index_copy_" and n.args[1] in (2, -2)
+    ]  # fmt: skip
+    if len(writes) != 1:
+        raise NoMatch(f"{role} comes from graph input {buffer.name}, which is not a cache written in this graph")
+    if not isinstance(_val(buffer), PackedKV):
+        raise NoMatch(
+            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation; pass "
+            "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len) so it is int4 from the start"
+        )
+    (write,) = writes
+    return _CacheWrite(write, buffer, write.args[3], chain)
 
 
 def _is_stored_sequence_slice(node: fx.Node) -> bool:
@@ -325,11 +344,17 @@ ATTENTION_FORMS = {
 }
 
 
+def _is_static(write: _CacheWrite) -> bool:
+    return write.cat.op == "call_method"
+
+
 def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite]:
     k = _cache_write(attn.key, attn.key_reader, "K")
     v = _cache_write(attn.value, attn.value_reader, "V")
-    if (k.past is None) != (v.past is None):
-        raise NoMatch("K and V caches are in different states (one empty, one not)")
+    if (k.past is None) != (v.past is None) or _is_static(k) != _is_static(v):
+        raise NoMatch("K and V caches are in different states (one empty or static, the other not)")
+    if _is_static(k):
+        return k, v  # the buffers' own specs apply; they were chosen when they were allocated
     _check_packable(k, config.k, "K")
     _check_packable(v, config.v, "V")
     return k, v
@@ -339,7 +364,32 @@ def _copy_meta(src: fx.Node, dst: fx.Node):
     dst.meta.update({key: value for key, value in src.meta.items() if key in ("nn_module_stack", "stack_trace")})
 
 
+def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig):
+    # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
+    # HF's mask hides the slots not written yet.
+    for write in (k, v):
+        with graph.inserting_before(write.cat):
+            graph.call_function(graph_ops.kv4_write_, (write.past, write.cat.args[2], write.new))
+        graph.erase_node(write.cat)
+    with graph.inserting_before(attn.output):
+        fused = graph.call_function(
+            graph_ops.kv4_sdpa,
+            (attn.query, k.past, None, v.past, None),
+            {
+                "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
+                "k_spec": k.past.meta["example_value"].spec.tag, "v_spec": v.past.meta["example_value"].spec.tag,
+                **({"softcap": attn.softcap} if attn.softcap else {}),
+            },
+        )  # fmt: skip
+    _copy_meta(attn.output, fused)
+    attn.output.replace_all_uses_with(fused)
+    _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
+    return "static"
+
+
 def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> str:
+    if _is_static(k):
+        return _rewrite_static_site(graph, attn, k, v, config)
     for write, spec in ((k, config.k), (v, config.v)):
         _replace_cache_write(graph, write, spec)
     prefill = k.past is None

@@ -1,0 +1,60 @@
+"""An HF ``StaticCache`` whose attention layers are int4 from the first allocation.
+
+HF's ``StaticLayer`` allocates fp buffers of the final size before any graph runs, so a
+graph rewrite alone cannot make a static cache int4. ``StaticKVCache`` allocates
+:class:`~kvpass.packed.PackedKV` buffers instead; ``StaticLayer.update``'s ``index_copy_``
+then quantizes new tokens into their slots in place (``kv4::write_``), and the kv4 pass
+turns the attention over the buffer into ``kv4::attention``.
+
+    cache = kvpass.StaticKVCache(model.config, max_cache_len=4096)
+    model.compile(backend="kv4")
+    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+
+Sliding-window static layers keep HF's own fp buffers (their update rolls the buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.utils import is_torchdynamo_compiling
+
+from kvpass.config import KVConfig, QuantSpec
+from kvpass.packed import PackedKV
+
+
+class PackedStaticLayer(StaticLayer):
+    def __init__(self, max_cache_len: int, k_spec: QuantSpec, v_spec: QuantSpec, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.k_spec, self.v_spec = k_spec, v_spec
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # StaticLayer's own allocation, with PackedKV buffers in place of fp zeros.
+        self.device = key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = PackedKV.zeros((*shape, self.k_head_dim), key_states.dtype, self.device, self.k_spec)
+        self.values = PackedKV.zeros((*shape, self.v_head_dim), value_states.dtype, self.device, self.v_spec)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not is_torchdynamo_compiling():
+            # Fixed addresses, as HF marks its own buffers, so CUDA graphs can replay.
+            for tensor in (self.keys, self.values):
+                torch._dynamo.mark_static_address(tensor.codes)
+                torch._dynamo.mark_static_address(tensor.scales)
+            torch._dynamo.mark_static_address(self.cumulative_length)
+        self.is_initialized = True
+
+
+class StaticKVCache(StaticCache):
+    """``StaticCache(config, max_cache_len)`` with int4 full-attention layers (the default specs)."""
+
+    def __init__(self, config, max_cache_len: int, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None,
+                 **kwargs):  # fmt: skip
+        super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
+        default = KVConfig()
+        k_spec, v_spec = k_spec or default.k, v_spec or default.v
+        self.layers = [
+            PackedStaticLayer(max_cache_len, k_spec, v_spec) if type(layer) is StaticLayer else layer
+            for layer in self.layers
+        ]

@@ -1,0 +1,82 @@
+"""Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
+
+import torch
+from transformers import StaticCache
+from transformers.generation import CompileConfig
+
+import kvpass
+from kvpass import ops
+from kvpass.config import QuantSpec
+from kvpass.models_zoo import build
+from kvpass.packed import PackedKV
+from kvpass.static import StaticKVCache
+
+
+def _prompt(length=30):
+    return torch.randint(2, 200, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_opcheck_write():
+    spec = QuantSpec(4, "token", 64, rotate=True)
+    buffer = PackedKV.zeros((2, 3, 16, 64), torch.float32, "cpu", spec)
+    args = (buffer.codes, buffer.scales, torch.tensor([3, 4]), torch.randn(2, 3, 2, 64), *ops.spec_args(spec))
+    torch.library.opcheck(ops.write_, args)
+
+
+def test_buffers_are_int4_from_the_first_allocation():
+    model = build("llama_hd128")
+    cache = StaticKVCache(model.config, max_cache_len=512)
+    with torch.no_grad():
+        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            assert isinstance(t, PackedKV) and t.shape[2] == 512
+            assert t.stored_bytes() <= 0.27 * t.numel() * 2
+    # the written slots hold the prompt, the others decode to zeros
+    assert cache.layers[0].keys.dequantize()[:, :, 30:].abs().max() == 0
+    assert cache.layers[0].keys.dequantize()[:, :, :30].abs().max() > 0
+
+
+def test_compiled_generate_rewrites_static_decode_and_matches_eager():
+    torch._dynamo.reset()
+    model = build("llama")
+    expected = model.generate(
+        _prompt(), max_new_tokens=10, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+    )
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(
+        _prompt(), max_new_tokens=10, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+    )
+    assert torch.equal(out, expected)
+    decode_sites = [site for graph in backend.graphs[1:] for site in graph.sites]
+    assert decode_sites and all(site.rewritten and site.phase == "static" for site in decode_sites)
+
+
+def test_generate_compile_route_with_a_static_kv_cache():
+    torch._dynamo.reset()
+    model = build("llama")
+    expected = model.generate(
+        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+    )
+    config = CompileConfig(backend="kv4", fullgraph=False)
+    config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
+    model.generation_config.compile_config = config
+    before = len(kvpass.default_backend().graphs)
+    out = model.generate(
+        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+    )
+    assert torch.equal(out, expected)
+    sites = [site for graph in kvpass.default_backend().graphs[before:] for site in graph.sites]
+    assert sites and all(site.rewritten for site in sites)
+
+
+def test_plain_static_cache_stays_fp_and_says_how_to_get_int4():
+    torch._dynamo.reset()
+    model = build("llama")
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    model.generate(_prompt(), max_new_tokens=3, do_sample=False, past_key_values=StaticCache(model.config, max_cache_len=64))
+    decode_sites = [site for graph in backend.graphs[1:] for site in graph.sites]
+    assert decode_sites and not any(site.rewritten for site in decode_sites)
+    assert all("kvpass.StaticKVCache" in site.reason for site in decode_sites)
