@@ -1,20 +1,22 @@
 """Find attention sites in Dynamo's torch-level FX graphs and rewrite them to kv4 ops.
 
-A site is an SDPA call whose K and V arguments lead back, through the view chain of
-``repeat_kv`` at most, to a cache write ``torch.cat([past, new], dim=-2)``. Accepted
-node shapes:
+A site is an attention computation whose K and V lead back, through the view chain of
+``repeat_kv`` at most, to a cache write. Accepted node shapes:
 
+* attention: SDPA with ``dropout_p == 0`` and any ``attn_mask``, ``is_causal``, ``scale``;
+  or the eager form ``matmul(q, k^T) * scale [-> cap * tanh(s / cap)] [+ mask] -> softmax
+  -> [to] -> [dropout(p=0)] -> matmul(., v)``;
 * cache write: ``torch.cat([past, new], dim=-2 or 2)``, ``past`` being
   ``torch.tensor([])`` (the prefill graph of a ``DynamicCache``), a PackedKV placeholder
-  (decode graphs) or a plain ``[B, H, S, D]`` float tensor (a cache filled elsewhere);
+  (decode graphs) or a plain ``[B, H, S, D]`` float tensor (a cache filled elsewhere); or
+  ``buffer.index_copy_(2, positions, new)`` into a PackedKV placeholder (``StaticKVCache``);
 * view chain: nothing (SDPA with or without ``enable_gqa``), or ``x[:, :, None]`` ->
   ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant;
 * besides attention the written cache may only be returned (the cache object keeps it)
-  or sliced along the sequence and returned (a sliding-window layer's eviction);
-* SDPA: ``dropout_p == 0``, any ``attn_mask``, ``is_causal`` and ``scale``.
+  or sliced along the sequence and returned (a sliding-window layer's eviction).
 
-The prefill attention keeps its SDPA, over the exact new tokens; only the stored cache
-becomes int4. Every SDPA that does not match is reported with its reason and left alone.
+The prefill attention keeps its op, over the exact new tokens; only the stored cache
+becomes int4. Every candidate that does not match is reported with its reason and left alone.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class SiteReport:
     index: int
     module: str
     form: str  # "sdpa" or "eager" (matmul -> softmax -> matmul)
-    phase: str  # "prefill" (empty past) or "decode"
+    phase: str  # "prefill" (empty past), "decode" or "static" (preallocated buffer)
     rewritten: bool
     reason: str = ""
 
@@ -73,10 +75,10 @@ class _Attention:
 
 @dataclasses.dataclass
 class _CacheWrite:
-    cat: fx.Node  # the write: torch.cat (DynamicCache) or buffer.index_copy_ (StaticCache)
+    node: fx.Node  # the write: torch.cat (DynamicCache) or buffer.index_copy_ (StaticCache)
     past: fx.Node | None  # None: the empty tensor of a fresh DynamicCache layer
     new: fx.Node
-    chain: list[fx.Node]  # view nodes between the cat and SDPA, nearest to SDPA first
+    chain: list[fx.Node]  # view nodes between the cache and attention, nearest to attention first
     # `full[:, :, -(window - 1):]` of a sliding-window layer: what it keeps for later steps
     evictions: list[fx.Node] = dataclasses.field(default_factory=list)
 
@@ -177,7 +179,7 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
         if n.op == "call_method" and n.target == "index_copy_" and n.args[1] in (2, -2)
     ]  # fmt: skip
     if len(writes) != 1:
-        raise NoMatch(f"{role} comes from graph input {buffer.name}, which is not a cache written in this graph")
+        raise NoMatch(f"{role} does not come from a cache write: it is graph input {buffer.name}, not written here")
     if not isinstance(_val(buffer), PackedKV):
         raise NoMatch(
             f"{role} static cache buffer {buffer.name} is fp, allocated before compilation; pass "
@@ -213,17 +215,17 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
 
 
 def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> None:
-    with graph.inserting_before(write.cat):
+    with graph.inserting_before(write.node):
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), {"spec": spec.tag})
         else:
             packed = graph.call_function(graph_ops.kv4_append, (write.past, write.new), {"spec": spec.tag})
-    packed.meta.update({k: v for k, v in write.cat.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    packed.meta.update({k: v for k, v in write.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     # The attention chain reads the exact new tokens (prefill) or is dropped (decode);
     # every other reader (the graph output, i.e. the cache object) gets the packed cache.
-    for user in list(write.cat.users):
+    for user in list(write.node.users):
         if user.op == "output" or user in write.evictions:
-            user.replace_input_with(write.cat, packed)
+            user.replace_input_with(write.node, packed)
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
@@ -345,7 +347,7 @@ ATTENTION_FORMS = {
 
 
 def _is_static(write: _CacheWrite) -> bool:
-    return write.cat.op == "call_method"
+    return write.node.op == "call_method"
 
 
 def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite]:
@@ -368,9 +370,9 @@ def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _
     # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
     # HF's mask hides the slots not written yet.
     for write in (k, v):
-        with graph.inserting_before(write.cat):
-            graph.call_function(graph_ops.kv4_write_, (write.past, write.cat.args[2], write.new))
-        graph.erase_node(write.cat)
+        with graph.inserting_before(write.node):
+            graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
+        graph.erase_node(write.node)
     with graph.inserting_before(attn.output):
         fused = graph.call_function(
             graph_ops.kv4_sdpa,
@@ -396,7 +398,7 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
     if prefill:
         # Attention over an empty past is attention over the new tokens, kept exact.
         for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
-            (write.chain[-1] if write.chain else reader).replace_input_with(write.cat, write.new)
+            (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
     else:
         with graph.inserting_before(attn.output):
             fused = graph.call_function(
@@ -412,8 +414,8 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
         attn.output.replace_all_uses_with(fused)
         _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
     for write in (k, v):
-        past_ctor = write.cat.args[0][0]
-        _erase_if_dead(graph, [write.cat])
+        past_ctor = write.node.args[0][0]
+        _erase_if_dead(graph, [write.node])
         if write.past is None:
             _erase_if_dead(graph, [past_ctor])
     return "prefill" if prefill else "decode"

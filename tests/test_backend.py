@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
+from kvpass import passes
 from kvpass.config import QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache
@@ -105,6 +106,7 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
         return torch.nn.functional.scaled_dot_product_attention(q, k, vv, dropout_p=0.5), k, vv
 
     q = torch.randn(1, 2, 3, 16)
+    left_before = passes.counters["site_left_fp16"]
     with caplog.at_level(logging.INFO, logger="kvpass"):
         out = torch.compile(attention_without_cache, backend=backend)(q, q, q)
         torch.compile(attention_with_dropout, backend=backend)(q, q, q, q)
@@ -114,6 +116,7 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     assert "does not come from a cache write" in plain.sites[0].reason
     assert plain.sites[0].reason in caplog.text
     assert dropout.sites[0].reason == "dropout_p=0.5 (only inference attention, dropout 0, is rewritten)"
+    assert passes.counters["site_left_fp16"] == left_before + 2
 
 
 def test_backend_string_works_in_a_process_that_never_imports_kvpass():
