@@ -167,20 +167,23 @@ def error_bound(scale: torch.Tensor, spec: QuantSpec, zero: torch.Tensor | None 
 # --- rotation --------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16)
-def _hadamard_cpu(n: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=32)
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
     # Sylvester's construction needs a power of two; other sizes (head_dim 80, 96) get
     # Hadamard blocks of the largest power of two dividing n along the diagonal.
     block = n & -n
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < block:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return torch.block_diag(*[h / math.sqrt(block)] * (n // block)).float()
+    return torch.block_diag(*[h / math.sqrt(block)] * (n // block)).float().to(device)
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
-    """Orthonormal, symmetric ``n x n`` (block-)Hadamard matrix, its own inverse, float32."""
-    return _hadamard_cpu(n).to(device)
+    """Orthonormal, symmetric ``n x n`` (block-)Hadamard matrix, its own inverse, float32.
+
+    Cached per device: a decode step must not copy it host-to-device (nor sync for it).
+    """
+    return _hadamard(n, torch.device(device or "cpu"))
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
