@@ -214,7 +214,7 @@ def run(args) -> int:
         rows = [f.result() for f in tqdm(concurrent.futures.as_completed(futures), total=len(types), desc="model types")]
     rows.sort(key=lambda r: r["model_type"])
     summary = summarize(rows)
-    command = "kvpass coverage" + (" " + " ".join(args.model_types) if args.model_types else "")
+    command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
     text = markdown(rows, summary, command)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
