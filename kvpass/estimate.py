@@ -485,10 +485,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch sizes (default: 1)",
     )
     parser.add_argument(
-        "--k-group", dest="k_group", type=int, default=K_GROUP, help="kv4 K tokens per scale"
+        "--k-group", dest="k_group", type=int, default=K_GROUP, help="kv4 K group: values per scale"
     )
     parser.add_argument(
-        "--v-group", dest="v_group", type=int, default=V_GROUP, help="kv4 V channels per scale"
+        "--v-group", dest="v_group", type=int, default=V_GROUP, help="kv4 V group: values per scale"
     )
 
 
