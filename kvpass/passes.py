@@ -71,6 +71,7 @@ class _Attention:
     scale: float | None
     is_causal: bool
     softcap: float = 0.0
+    keep: fx.Node | None = None  # bool mask applied as torch.where(keep, scores, very negative)
 
 
 @dataclasses.dataclass
@@ -133,6 +134,10 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """From an SDPA K/V argument back to the tensor the views start from."""
     if not isinstance(arg, fx.Node):
         raise NoMatch(f"K/V argument is a constant ({arg!r}), not a graph value")
+    if _is_call(arg, (), "to") and arg.args[1:] == (torch.float32,):
+        # An fp32 upcast before attention (GPT-Neo): kv4 attention computes in fp32 anyway.
+        root, chain = _walk_view_chain(arg.args[0])
+        return root, [arg, *chain]
     if _method_or_function(arg, "reshape"):
         expand = arg.args[0]
         if isinstance(expand, fx.Node) and _method_or_function(expand, "expand"):
@@ -306,6 +311,13 @@ def _match_eager(softmax: fx.Node) -> _Attention:
         attn_mask = rhs if scores_side is lhs else lhs
         nodes.append(scores)
         scores = scores_side
+    keep = None
+    if _is_call(scores, (torch.where,)) and len(scores.args) == 3:
+        keep, inner, fill = scores.args
+        if not _is_very_negative(fill):
+            raise NoMatch(f"scores are masked at {scores.name} with {fill}, not a very negative constant")
+        nodes += [scores, fill] if isinstance(fill, fx.Node) else [scores]
+        scores = inner
     if _is_call(scores, (operator.mul,)) and _is_call(scores.args[0], (torch.tanh,), "tanh"):
         cap = _number(scores.args[1])
         inner = scores.args[0].args[0]
@@ -326,16 +338,23 @@ def _match_eager(softmax: fx.Node) -> _Attention:
     if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 4 for d in k_t.args[1:3]) == [2, 3]):
         raise NoMatch(f"the keys of {scores.name} are not transposed over their last two dimensions")
     nodes += [scores, k_t]
-    return _Attention(out, nodes, query, k_t.args[0], k_t, out.args[1], out, attn_mask, scale, False, softcap)
+    return _Attention(out, nodes, query, k_t.args[0], k_t, out.args[1], out, attn_mask, scale, False, softcap, keep)
+
+
+def _is_very_negative(fill) -> bool:
+    """A masking fill: a number or a ``torch.tensor(number)`` of at most -1e4 (finfo.min, -inf)."""
+    if isinstance(fill, fx.Node) and fill.op == "call_function" and fill.target is torch.tensor:
+        fill = fill.args[0]
+    return _number(fill) is not None and fill <= -1e4
 
 
 def _leads_to_qk(node) -> bool:
-    for _ in range(6):  # through the scale and the soft-cap
+    for _ in range(6):  # through the scale, the soft-cap and a torch.where mask
         if _is_call(node, MATMUL_TARGETS):
             return True
         if not isinstance(node, fx.Node) or not node.args:
             return False
-        node = node.args[0]
+        node = node.args[1] if _is_call(node, (torch.where,)) and len(node.args) == 3 else node.args[0]
     return False
 
 
@@ -366,9 +385,20 @@ def _copy_meta(src: fx.Node, dst: fx.Node):
     dst.meta.update({key: value for key, value in src.meta.items() if key in ("nn_module_stack", "stack_trace")})
 
 
+def _fold_keep_into_mask(graph: fx.Graph, attn: _Attention) -> None:
+    """``where(keep, s, -big) + mask`` is ``s + where(keep, mask, -inf)``: one mask for the op."""
+    if attn.keep is None:
+        return
+    with graph.inserting_before(attn.output):
+        attn.attn_mask = graph.call_function(
+            torch.where, (attn.keep, 0.0 if attn.attn_mask is None else attn.attn_mask, float("-inf"))
+        )
+
+
 def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig):
     # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
     # HF's mask hides the slots not written yet.
+    _fold_keep_into_mask(graph, attn)
     for write in (k, v):
         with graph.inserting_before(write.node):
             graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
@@ -400,6 +430,7 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
         for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
             (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
     else:
+        _fold_keep_into_mask(graph, attn)
         with graph.inserting_before(attn.output):
             fused = graph.call_function(
                 graph_ops.kv4_sdpa,

@@ -152,6 +152,15 @@ def falcon() -> PretrainedConfig:
     )
 
 
+def gpt_neo() -> PretrainedConfig:
+    # GPT-Neo-1.3B: 24 layers, hidden 2048, 16 heads (MHA), head_dim 128, alternating global
+    # and local (window 256) layers; eager-only attention masked with torch.where, fp32 upcast.
+    return _cfg(
+        "gpt_neo", hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, intermediate_size=128,
+        attention_types=[[["global", "local"], 1]], window_size=WINDOW, max_position_embeddings=POSITIONS,
+    )
+
+
 def opt() -> PretrainedConfig:
     # OPT-1.3B: 24 layers, hidden 2048, 32 heads (MHA), head_dim 64, learned positions.
     return _cfg(
@@ -217,6 +226,7 @@ ZOO: dict[str, Callable[[], PretrainedConfig]] = {
     "phi3": phi3,
     "gpt_neox": gpt_neox,
     "falcon": falcon,
+    "gpt_neo": gpt_neo,
     "opt": opt,
     "olmo2": olmo2,
     "starcoder2": starcoder2,

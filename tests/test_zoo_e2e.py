@@ -17,7 +17,7 @@ NOT_REWRITTEN = {
     "deepseek_v3": "does not come from a cache write",
 }
 # Families that need eager attention (no SDPA path in transformers).
-EAGER_ONLY = {"gemma2"}
+EAGER_ONLY = {"gemma2", "gpt_neo"}
 
 
 def _attention_layers(cache):
