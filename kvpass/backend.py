@@ -75,7 +75,8 @@ def _inductor(gm, example_inputs, mode=None, options=None):
     from torch._inductor.compile_fx import compile_fx
 
     # What torch.compile(backend="inductor", mode=...) would do for a built-in backend.
-    patches = {**list_mode_options(mode), **(options or {})}
+    # (list_mode_options(None) lists every mode, so no mode means no patches.)
+    patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
