@@ -85,7 +85,7 @@ _DEFAULT = KVConfig()
 
 def kv4(
     *,
-    bits: int = 4,
+    bits: int = _DEFAULT.k.bits,
     k_scheme: str = _DEFAULT.k.scheme,
     k_group: int = _DEFAULT.k.group,
     k_rotate: bool = _DEFAULT.k.rotate,
@@ -94,7 +94,7 @@ def kv4(
     v_rotate: bool = _DEFAULT.v.rotate,
     k_bits: int | None = None,
     v_bits: int | None = None,
-    symmetric: bool = True,
+    symmetric: bool = _DEFAULT.k.symmetric,
     k_symmetric: bool | None = None,
     v_symmetric: bool | None = None,
     inner: str = _DEFAULT.inner,
