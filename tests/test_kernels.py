@@ -234,14 +234,17 @@ def test_prefill_matches_reference(past, q_len, heads, head_dim, dtype, specs, m
     batch = 2
     q_heads, kv_heads = heads
     args = _inputs(batch, q_heads, kv_heads, q_len, past, q_len, head_dim, dtype, SPECS[specs], seed=past + q_len)
+    _check(args, _prefill_mask(mask, batch, q_heads, q_len, past, dtype), mask == "causal", SPECS[specs], dtype)
+
+
+def _prefill_mask(kind, batch, q_heads, q_len, past, dtype):
+    """``"chunk"``: a chunk attending to all the past and causally to itself; ``"bias"``: additive noise."""
     total = past + q_len
-    attn_mask = None
-    if mask == "chunk":
-        rows = torch.arange(q_len)[:, None] + past
-        attn_mask = torch.arange(total)[None, :] <= rows
-    elif mask == "bias":
-        attn_mask = torch.randn(batch, q_heads, q_len, total, generator=torch.Generator().manual_seed(3)).to(dtype)
-    _check(args, attn_mask, mask == "causal", SPECS[specs], dtype)
+    if kind == "chunk":
+        return torch.arange(total)[None, :] <= torch.arange(q_len)[:, None] + past
+    if kind == "bias":
+        return torch.randn(batch, q_heads, q_len, total, generator=torch.Generator().manual_seed(3)).to(dtype)
+    return None
 
 
 ASYM_CASES = [
@@ -264,10 +267,7 @@ def test_asymmetric_matches_reference(past, q_len, heads, head_dim, dtype, specs
     gen = torch.Generator().manual_seed(past)
     k = (torch.randn(batch, kv_heads, past, head_dim, generator=gen) * 0.5 + 1.0).to(dtype)
     args = (args[0], *_store(k, specs[0]), *args[4:])
-    attn_mask = None
-    if mask == "chunk":
-        attn_mask = torch.arange(past + q_len)[None, :] <= torch.arange(q_len)[:, None] + past
-    _check(args, attn_mask, mask == "causal", specs, dtype)
+    _check(args, _prefill_mask(mask, batch, q_heads, q_len, past, dtype), mask == "causal", specs, dtype)
 
 
 def test_strided_output_and_fully_masked_row():
