@@ -16,6 +16,11 @@ combine (rotation is linear, so rotating each split's numerator is exact).
 An asymmetric spec's ``scales`` carries the zero point at ``[..., 1]`` (see
 :mod:`kvpass.reference`); the kernel loads it next to the scale and dequantizes
 ``code * scale + zero`` in registers.
+
+Each block loads its mask tile first and skips its K/V when no row of the tile attends to
+any of its keys (a ``False`` or ``-inf`` mask entry, or the causal mask): a static cache
+is attended over its whole buffer, and the unwritten tail then costs only its mask bytes.
+The decision is a device value, so there is no host sync and CUDA graphs can replay it.
 """
 
 from __future__ import annotations
@@ -191,50 +196,56 @@ def _partial_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         key_ok = pos < hi
-        k = _load_block(
-            KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, stride_ksz, KR, stride_krs, stride_krd,
-            pos, key_ok, n_quant_k, head_dim,
-            HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, BLOCK_D,
-        ).to(DOT_DTYPE)
-        if DOT_DTYPE == tl.float32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
-        if SOFTCAP:
-            # softcap * tanh(s / softcap), with tanh from one exp of a non-positive number
-            e = tl.exp(-2.0 * tl.abs(s) / softcap)
-            s = tl.where(s >= 0, 1.0, -1.0) * softcap * (1.0 - e) / (1.0 + e)
-
         cols = col_offset + pos
         attend = key_ok[None, :]
         if IS_CAUSAL:
             attend = attend & (cols[None, :] <= tok[:, None])
         mask_ptrs = mask_rows[:, None] + cols[None, :] * stride_mn
+        tile_ok = row_ok[:, None] & key_ok[None, :]
         if MASK_KIND == 1:
-            allowed = tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0)
-            attend = attend & (allowed != 0)
-        s = tl.where(attend, s, float("-inf"))
+            attend = attend & (tl.load(mask_ptrs, mask=tile_ok, other=0) != 0)
+        seen = attend & tile_ok
         if MASK_KIND == 2:
-            s += tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0).to(tl.float32)
+            bias = tl.load(mask_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+            seen = seen & (bias != float("-inf"))
+        # Decided on the device from the mask tile (no host sync): a block no row of this tile
+        # attends to, such as a static cache's unwritten tail, is never loaded nor dequantized.
+        if tl.max(seen.to(tl.int32)) != 0:
+            k = _load_block(
+                KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, stride_ksz, KR, stride_krs, stride_krd,
+                pos, key_ok, n_quant_k, head_dim,
+                HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, BLOCK_D,
+            ).to(DOT_DTYPE)
+            if DOT_DTYPE == tl.float32:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * sm_scale
+            if SOFTCAP:
+                # softcap * tanh(s / softcap), with tanh from one exp of a non-positive number
+                e = tl.exp(-2.0 * tl.abs(s) / softcap)
+                s = tl.where(s >= 0, 1.0, -1.0) * softcap * (1.0 - e) / (1.0 + e)
+            s = tl.where(attend, s, float("-inf"))
+            if MASK_KIND == 2:
+                s += bias
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen only -inf keeps m = -inf; exp(-inf - -inf) would be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        correction = tl.exp(m_i - m_safe)
-        l_i = l_i * correction + tl.sum(p, axis=1)
-        v = _load_block(
-            VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, stride_vsz, VR, stride_vrs, stride_vrd,
-            pos, key_ok, n_quant_v, head_dim_v,
-            HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, BLOCK_DV,
-        ).to(DOT_DTYPE)
-        if DOT_DTYPE == tl.float32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(DOT_DTYPE), v)
-        acc = acc * correction[:, None] + pv
-        m_i = m_new
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row that has seen only -inf keeps m = -inf; exp(-inf - -inf) would be NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            correction = tl.exp(m_i - m_safe)
+            l_i = l_i * correction + tl.sum(p, axis=1)
+            v = _load_block(
+                VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, stride_vsz, VR, stride_vrs, stride_vrd,
+                pos, key_ok, n_quant_v, head_dim_v,
+                HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, BLOCK_DV,
+            ).to(DOT_DTYPE)
+            if DOT_DTYPE == tl.float32:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(DOT_DTYPE), v)
+            acc = acc * correction[:, None] + pv
+            m_i = m_new
 
     slot = (pid_bh * n_splits_total + split_base + pid_split).to(tl.int64) * n_rows + rows
     tl.store(M_OUT + slot, m_i, mask=row_ok)

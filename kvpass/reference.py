@@ -322,7 +322,8 @@ def attention(
     ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``attn_mask`` broadcasts to
     ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
     top-left causal mask over the ``P + T_new`` keys. A row whose keys are all masked is
-    zero, as in torch's SDPA. ``softcap > 0`` caps scaled scores to
+    zero, as in torch's SDPA. A block of the past that the mask (with ``is_causal``) excludes
+for every row is skipped, never read: a static cache's unwritten tail. ``softcap > 0`` caps scaled scores to
     ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). The past is dequantized one block of
     tokens at a time with an online softmax, so memory is O(block), not O(P).
     """
@@ -369,9 +370,24 @@ def attention(
         acc.add_(p @ v_blk.float())
         m = m_new
 
+    def attended(start, stop):
+        # Host-side, so only for a CPU mask: elsewhere (CUDA without Triton) deciding would
+        # sync, which CUDA graphs forbid, and reading the block gives the same numbers.
+        if is_causal and start >= T:
+            return False
+        if attn_mask is None or attn_mask.device.type != "cpu":
+            return True
+        blk_mask = attn_mask[..., start:stop]
+        seen = blk_mask if blk_mask.dtype == torch.bool else blk_mask != float("-inf")
+        if is_causal:
+            seen = seen & (torch.arange(start, stop)[None, :] <= rows)
+        return bool(seen.any())
+
     block = _block_tokens(k_spec, v_spec)
     for start in range(0, past, block):
         stop = min(start + block, past)
+        if not attended(start, stop):
+            continue  # a block the mask excludes for every row is not read (a static cache's tail)
         k_blk = _stored_block(k_codes, k_scales, k_residual, k_spec, n_quant_k, start, stop)
         v_blk = _stored_block(v_codes, v_scales, v_residual, v_spec, n_quant_v, start, stop)
         visit(k_blk, v_blk, q_stored, start, acc_stored)

@@ -313,3 +313,25 @@ def test_softcap_matches_reference(q_len):
     _check(args, None, q_len > 1, ROTATED, dtype, softcap=1.0)
     capped = reference.attention(*args, None, 0.125, q_len > 1, *ROTATED, 1.0)
     assert not torch.allclose(capped, reference.attention(*args, None, 0.125, q_len > 1, *ROTATED))
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_blocks_no_row_attends_are_not_read(mask_kind):
+    """A static cache's decode: the whole buffer, no new tokens, the mask hiding what is not
+    valid. Blocks excluded for every row of a (batch, head) are poisoned; the output is the
+    reference over the clean buffer, so they were never loaded."""
+    dtype, specs = torch.float32, ROTATED
+    clean = _inputs(2, 4, 2, 1, 128, 0, 64, dtype, specs, seed=13)
+    keep = torch.zeros(2, 1, 1, 128, dtype=torch.bool)
+    keep[0, ..., :40] = True  # 40 tokens written
+    keep[1, ..., 32:60] = True  # left padding of 32, then 28 tokens
+    attn_mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, float("-inf"))
+    expected = reference.attention(*clean, attn_mask, 0.125, False, *specs)
+    poisoned = list(clean)
+    for i in (1, 2, 4, 5):  # K and V codes and scales
+        poisoned[i] = clean[i].clone()
+        for b, excluded in ((0, slice(64, 128)), (1, slice(0, 32)), (1, slice(64, 128))):
+            poisoned[i][b, :, excluded] = 255 if i in (1, 4) else float("nan")
+    out = attention(*poisoned, attn_mask, 0.125, False, *specs)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])

@@ -333,3 +333,35 @@ def test_poisoned_stored_group_makes_attention_nan_not_finite():
         empty, empty, None, 0.1, False, spec, spec,
     )  # fmt: skip
     assert out.isnan().all()
+
+
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
+def test_blocks_the_mask_excludes_are_not_read(monkeypatch, additive):
+    """A static cache's decode: the whole buffer, no new tokens, a mask over the valid slots.
+    Blocks no row attends to are poisoned and never dequantized."""
+    torch.manual_seed(0)
+    spec = QuantSpec(4, "token", 64, rotate=True)
+    block = R._block_tokens(spec, spec)
+    B, Hq, Hkv, S, D = 2, 4, 2, 3 * block, 64
+    q = torch.randn(B, Hq, 1, D)
+    k_codes, k_scales, k_res = _stored(torch.randn(B, Hkv, S, D), spec)
+    v_codes, v_scales, v_res = _stored(torch.randn(B, Hkv, S, D), spec)
+    keep = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    keep[0, ..., block : block + 40] = True  # left padding of a whole block
+    keep[1, ..., block + 7 : 2 * block] = True
+    mask = torch.where(keep, 0.0, float("-inf")) if additive else keep
+    valid = slice(block, 2 * block)
+    expected = R.attention(
+        q, k_codes[:, :, valid], k_scales[:, :, valid], k_res, v_codes[:, :, valid], v_scales[:, :, valid], v_res,
+        k_res, v_res, mask[..., valid], 0.1, False, spec, spec,
+    )  # fmt: skip
+    for t in (k_codes, k_scales, v_codes, v_scales):
+        t[:, :, :block] = float("nan") if t.is_floating_point() else 255
+        t[:, :, 2 * block :] = float("nan") if t.is_floating_point() else 255
+    read = []
+    original = R.dequantize
+    monkeypatch.setattr(R, "dequantize", lambda codes, *a, **kw: read.append(codes.shape[2]) or original(codes, *a, **kw))
+    out = R.attention(q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_res, v_res, mask, 0.1, False, spec, spec)
+    assert read == [block, block]  # K and V of the middle block only
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

@@ -5,7 +5,7 @@ from transformers import StaticCache
 from transformers.generation import CompileConfig
 
 import kvpass
-from kvpass import ops
+from kvpass import ops, reference
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
@@ -80,3 +80,22 @@ def test_plain_static_cache_stays_fp_and_says_how_to_get_int4():
     decode_sites = [site for graph in backend.graphs[1:] for site in graph.sites]
     assert decode_sites and not any(site.rewritten for site in decode_sites)
     assert all("kvpass.StaticKVCache" in site.reason for site in decode_sites)
+
+
+def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
+    """A 1024-slot buffer holding under 40 tokens: decode dequantizes its first block only."""
+    torch._dynamo.reset()
+    model = build("llama")
+    read = []
+    original = reference._stored_block
+
+    def recording(codes, scales, residual, spec, n_quant, start, stop):
+        read.append(start)
+        return original(codes, scales, residual, spec, n_quant, start, stop)
+
+    monkeypatch.setattr(reference, "_stored_block", recording)
+    model.compile(backend=kvpass.kv4())
+    model.generate(
+        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
+    )
+    assert read and set(read) == {0}
