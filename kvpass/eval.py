@@ -21,8 +21,13 @@ Methods (``--methods``, comma separated):
 * ``kv4-kivi`` (K per-channel groups of 64 tokens, V per-token groups of 128 channels),
   ``kv4-rot`` (K and V per-token groups of 64 with a Hadamard rotation), ``kv4-naive``
   (K and V per-token groups of 64, no rotation); ``int8`` / ``int2``: the default scheme
-  with ``bits=8`` / ``bits=2``. Suffixes: ``-gN`` sets every group size to N (e.g.
-  ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``).
+  with ``bits=8`` / ``bits=2``. Suffixes, in this order: ``-gN`` sets every group size to N
+  (e.g. ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``), ``-kN`` / ``-vN``
+  the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid.
+* Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
+  tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
+  sinks) unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
+  ``sim-kv4-rot-w64-s4``.
 * ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
   (eager, no compile), to cross-check the backend.
 * ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
@@ -51,6 +56,7 @@ from typing import Callable
 import torch
 
 from kvpass.config import QuantSpec
+from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
 
 log = logging.getLogger("kvpass")
@@ -58,7 +64,9 @@ log = logging.getLogger("kvpass")
 DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
-                     r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?P<sym>-asym|-sym)?$")  # fmt: skip
+                     r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
+                     r"(?P<sym>-asym|-sym)?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
+DEFAULT_FLUSH = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,7 @@ class Method:
     kind: str
     backend_kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     nbits: int = 4  # quanto only
+    fp_tokens: FpTokens = FpTokens()  # sim only
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec]:
@@ -82,10 +91,19 @@ class Method:
     def scheme(self) -> str:
         if self.kind in ("kv4", "sim"):
             k, v = self.specs
-            return f"K {k.tag}, V {v.tag}"
+            f = self.fp_tokens
+            extra = "".join([f", first {f.sinks} fp" if f.sinks else "",
+                             f", newest {f.window}-{f.window + f.flush - 1} fp" if f.window else ""])  # fmt: skip
+            return f"K {k.tag}, V {v.tag}{extra}"
         if self.kind == "quanto":
             return f"quanto int{self.nbits}, asymmetric, per-channel groups of 64, fp residual 128"
         return "unquantized"
+
+    def fp16_ratio(self, stored: int, head_dim: int) -> float | None:
+        """Bytes of a ``stored``-token cache as kv4 would store it (fp tokens in fp16) over fp16."""
+        if self.kind not in ("kv4", "sim"):
+            return None
+        return self.fp_tokens.fp16_ratio(stored, *self.specs, head_dim)
 
 
 def parse_method(name: str) -> Method:
@@ -99,7 +117,8 @@ def parse_method(name: str) -> Method:
     if m is None:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
-            "optionally with -gN (group size) / -intN (bits) / -asym or -sym suffixes and a sim- prefix"
+            "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym suffixes, "
+            "a sim- prefix, and for sim- -wW (fp window) / -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
     variant = m["variant"]
@@ -115,10 +134,19 @@ def parse_method(name: str) -> Method:
         kwargs["bits"] = int(m["base"].removeprefix("int"))
     if m["bits"]:
         kwargs["bits"] = int(m["bits"])
+    for which in ("k_bits", "v_bits"):
+        if m[which]:
+            kwargs[which] = int(m[which])
     if m["sym"]:
         kwargs["symmetric"] = m["sym"] == "-sym"
-    method = Method(name, "sim" if m["sim"] else "kv4", kwargs)
-    method.specs  # validate now (group sizes, bits)
+    window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
+    fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
+    if fp_tokens != FpTokens() and not m["sim"]:
+        raise ValueError(f"{name}: fp windows and sinks (-w, -s, -f) exist only in simulation: use sim-{name}")
+    method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens)
+    k, _ = method.specs  # validate now (group sizes, bits)
+    if k.scheme == "channel" and window and fp_tokens.flush % k.group:
+        raise ValueError(f"{name}: per-channel K groups of {k.group} tokens need a flush block that they divide")
     return method
 
 
@@ -141,7 +169,7 @@ class Runner:
             from kvpass.simulate import SimulatedKVCache
 
             k, v = method.specs
-            self.step, self.new_cache = model, lambda: SimulatedKVCache(model.config, k, v)
+            self.step, self.new_cache = model, lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
         elif method.kind == "quanto":
             from transformers import QuantizedCache
 
@@ -305,6 +333,8 @@ def evaluate(
     """
     fp = parse_method("fp")
     order = [fp] + [m for m in methods if m.kind != "fp"]
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     baseline_ppl: dict[tuple[str, int], float] = {}
     baseline_tokens: dict[str, torch.Tensor] = {}
     rows = []
@@ -331,6 +361,8 @@ def evaluate(
                 greedy_s = time.perf_counter() - t0
             for ctx in settings.contexts:
                 row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk)
+                if method.kind in ("kv4", "sim"):
+                    row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, head_dim) for n in (4096, 16384)})
                 if failure is not None:
                     row["error"] = _reason(failure)
                 else:

@@ -7,10 +7,14 @@ fp copies and re-quantizes the whole past each step (groups stay aligned from to
 so this equals quantizing each token once), which is slow and simple: what a reference
 should be. Layer types (full, sliding-window, recurrent) come from the model config as in
 ``DynamicCache``; only attention layers are simulated.
+
+``FpTokens`` adds schemes kv4 does not have yet: the first ``sinks`` tokens and a window
+of the most recent tokens stay unquantized (see :meth:`FpTokens.quantized`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -20,21 +24,67 @@ from kvpass.config import QuantSpec
 from kvpass.reference import quantize_dequantize
 
 
-def _simulated_update(base_update, k_spec: QuantSpec, v_spec: QuantSpec, key_states, value_states, *args, **kwargs):
+@dataclasses.dataclass(frozen=True)
+class FpTokens:
+    """Which stored tokens stay unquantized: the first ``sinks`` (attention sinks) and a
+    recent window of ``window`` to ``window + flush - 1`` tokens.
+
+    Tokens leave the window ``flush`` at a time: a cache holding ``S`` tokens quantizes
+    tokens ``[sinks, sinks + n)`` with ``n`` the largest multiple of ``flush`` that leaves at
+    least ``window`` tokens after them. So the quantized span only grows, in whole blocks,
+    and each token is quantized once, as a real cache would.
+    """
+
+    sinks: int = 0
+    window: int = 0
+    flush: int = 1
+
+    def __post_init__(self):
+        if self.sinks < 0 or self.window < 0 or self.flush < 1:
+            raise ValueError(f"need sinks >= 0, window >= 0, flush >= 1, got {self}")
+
+    def quantized(self, stored: int) -> tuple[int, int]:
+        """``[start, stop)``: the quantized tokens of a cache holding ``stored`` tokens."""
+        start = min(self.sinks, stored)
+        free = stored - start - self.window
+        return start, start + (free // self.flush * self.flush if free > 0 else 0)
+
+    def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, head_dim: int) -> float:
+        """Bytes of a ``stored``-token cache (fp tokens in fp16) over an all-fp16 cache."""
+        start, stop = self.quantized(stored)
+        quant = sum(spec_bytes_per_token(s, head_dim) for s in (k_spec, v_spec))
+        return ((stored - (stop - start)) * 4 * head_dim + (stop - start) * quant) / (stored * 4 * head_dim)
+
+
+def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
+    """Stored bytes of one token of one head under ``spec``: packed codes plus fp16 scales
+    (and zero points when asymmetric), per-channel scales shared by ``group`` tokens."""
+    per_group = 2 if spec.symmetric else 4
+    if spec.scheme == "token":
+        params = head_dim // spec.token_group(head_dim) * per_group
+    else:
+        params = head_dim * per_group / spec.group
+    return head_dim * spec.bits / 8 + params
+
+
+def _simulated_update(base_update, k_spec, v_spec, fp_tokens, key_states, value_states, *args, **kwargs):
     """The layer's own update (its bookkeeping, eviction included), quantized past on read."""
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
     past = full_k.shape[2] - key_states.shape[2]
-    if past == 0:
+    # The past as the cache stored it after the previous step; the new tokens are exact.
+    start, stop = fp_tokens.quantized(past)
+    if stop == start:
         return full_k, full_v
-    return (
-        torch.cat([quantize_dequantize(full_k[:, :, :past], k_spec), full_k[:, :, past:]], dim=2),
-        torch.cat([quantize_dequantize(full_v[:, :, :past], v_spec), full_v[:, :, past:]], dim=2),
-    )
+
+    def read(full, spec):
+        return torch.cat([full[:, :, :start], quantize_dequantize(full[:, :, start:stop], spec), full[:, :, stop:]], 2)
+
+    return read(full_k, k_spec), read(full_v, v_spec)
 
 
 class SimulatedKVCache(DynamicCache):
-    def __init__(self, config, k_spec: QuantSpec, v_spec: QuantSpec):
+    def __init__(self, config, k_spec: QuantSpec, v_spec: QuantSpec, fp_tokens: FpTokens = FpTokens()):
         super().__init__(config=config)
         for layer in self.layers:
             if isinstance(layer, DynamicLayer):
-                layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec)
+                layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens)

@@ -105,3 +105,68 @@ def test_method_names():
 def test_kjv_stripping():
     raw = "Genesis 1\n\n  1 In the beginning\nGod created.\n  2 And the earth.\n\n1 Kings 2\n\n  1 Now the days.\n"
     assert text_data.strip_kjv(raw) == "In the beginning God created. And the earth.\n\nNow the days.\n"
+
+
+def test_fp_tokens_window_and_sinks_bounds():
+    from kvpass.simulate import FpTokens
+
+    fp = FpTokens(sinks=4, window=64, flush=32)
+    previous = 0
+    for stored in range(0, 400):
+        start, stop = fp.quantized(stored)
+        assert start == min(4, stored)
+        n = stop - start
+        assert n % 32 == 0 and n >= previous  # whole flush blocks, never un-quantized
+        recent = stored - stop
+        assert recent < 64 + 32 and (n == 0 or recent >= 64)
+        previous = n
+    assert FpTokens().quantized(100) == (0, 100)  # no fp tokens: everything is quantized
+    assert FpTokens(sinks=4).quantized(100) == (4, 100)
+
+
+def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(model):
+    from kvpass.reference import quantize_dequantize
+    from kvpass.simulate import FpTokens, SimulatedKVCache
+
+    k_spec, v_spec = kv_eval.parse_method("kv4-rot").specs
+    fp = FpTokens(sinks=3, window=16, flush=8)
+    cache = SimulatedKVCache(model.config, k_spec, v_spec, fp)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    D = k_spec.group
+    ks, vs = [], []
+    for step in (40, 5, 1, 1, 20):  # a prefill, then chunks and single tokens
+        k, v = torch.randn(1, 2, step, D, generator=g), torch.randn(1, 2, step, D, generator=g)
+        ks.append(k)
+        vs.append(v)
+        read_k, read_v = layer.update(k, v)
+        full_k, full_v = torch.cat(ks, 2), torch.cat(vs, 2)
+        start, stop = fp.quantized(full_k.shape[2] - step)
+        for read, full, spec in ((read_k, full_k, k_spec), (read_v, full_v, v_spec)):
+            assert torch.equal(read[:, :, :start], full[:, :, :start])
+            assert torch.equal(read[:, :, stop:], full[:, :, stop:])  # window and new tokens: exact
+            assert torch.equal(read[:, :, start:stop], quantize_dequantize(full[:, :, start:stop], spec))
+            assert stop == start or not torch.equal(read, full)
+
+
+def test_window_longer_than_the_text_is_the_fp_baseline(model):
+    ids = _tokens(128, seed=4)[None]
+    ppl_fp = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("fp")), ids, 32)
+    ppl_all_fp = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4-rot-w128")), ids, 32)
+    ppl_w32 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4-rot-w32-s4-f16")), ids, 32)
+    assert ppl_all_fp == ppl_fp
+    assert ppl_w32 != ppl_fp
+
+
+def test_fp_token_method_names_and_bytes():
+    m = kv_eval.parse_method("sim-kv4-rot-g32-k8-asym-w64-s4")
+    k, v = m.specs
+    assert (k.bits, v.bits, k.group, k.symmetric) == (8, 4, 32, False)
+    assert (m.fp_tokens.sinks, m.fp_tokens.window, m.fp_tokens.flush) == (4, 64, 64)
+    assert kv_eval.parse_method("sim-kv4-rot-w32-f16").fp_tokens.flush == 16
+    assert kv_eval.parse_method("kv4-rot").fp16_ratio(4096, 64) == 34 / 128  # 4 bits + an fp16 scale per 64
+    # 4096 tokens: 4 sinks, 4092 - 64 = 4028 = 62 * 64 + 60 quantized in whole blocks, 124 fp.
+    ratio = kv_eval.parse_method("sim-kv4-rot-w64-s4").fp16_ratio(4096, 64)
+    assert ratio == pytest.approx((128 * 128 + 3968 * 34) / (4096 * 128))
+    with pytest.raises(ValueError):
+        kv_eval.parse_method("kv4-rot-w64")  # the real backend has no fp window
