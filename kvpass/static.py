@@ -10,10 +10,20 @@ turns the attention over the buffer into ``kv4::attention``.
     model.compile(backend="kv4")
     model.generate(ids, past_key_values=cache, max_new_tokens=256)
 
+``generate``'s own static cache (``cache_implementation="static"``) is a plain ``StaticCache``
+built inside ``generate`` (no hook takes a cache class) and allocated in its eager prefill.
+:func:`int4_static_caches` opts one model in: before each eager forward it gives a fresh
+static cache int4 layers, so that route is int4 too:
+
+    kvpass.static.int4_static_caches(model)
+    model.generate(ids, cache_implementation="static", compile_config=CompileConfig(backend="kv4"))
+
 Sliding-window static layers keep HF's own fp buffers (their update rolls the buffer).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer
@@ -46,15 +56,51 @@ class PackedStaticLayer(StaticLayer):
         self.is_initialized = True
 
 
+def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> None:
+    """Give ``cache``'s full-attention layers that hold no token yet int4 buffers, in place."""
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is StaticLayer and (not layer.is_initialized or int(layer.cumulative_length) == 0):
+            packed = PackedStaticLayer(layer.max_cache_len, k_spec, v_spec)
+            if layer.is_initialized:
+                # Allocated ahead of the prefill (generate does so for chunked prefill): same shapes, int4.
+                packed.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
+            layer = packed
+        layers.append(layer)
+    cache.layers = layers
+
+
+def _specs(k_spec: QuantSpec | None, v_spec: QuantSpec | None) -> tuple[QuantSpec, QuantSpec]:
+    default = KVConfig()
+    return k_spec or default.k, v_spec or default.v
+
+
 class StaticKVCache(StaticCache):
     """``StaticCache(config, max_cache_len)`` with int4 full-attention layers (the default specs)."""
 
     def __init__(self, config, max_cache_len: int, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None,
                  **kwargs):  # fmt: skip
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
-        default = KVConfig()
-        k_spec, v_spec = k_spec or default.k, v_spec or default.v
-        self.layers = [
-            PackedStaticLayer(max_cache_len, k_spec, v_spec) if type(layer) is StaticLayer else layer
-            for layer in self.layers
-        ]
+        _int4_layers(self, *_specs(k_spec, v_spec))
+
+
+def int4_static_caches(model: torch.nn.Module, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None):
+    """Opt ``model`` in: a ``StaticCache`` passed to its forward gets int4 layers first.
+
+    A forward pre-hook (remove it with the returned handle's ``remove()``). It acts on eager
+    calls only, where ``generate`` runs the prefill that allocates the buffers; a compiled
+    forward traces it as a no-op, so it adds no guard and no graph break.
+    """
+    specs = _specs(k_spec, v_spec)
+    seen = weakref.WeakSet()  # each cache once, at its first forward: later steps pay nothing
+
+    def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, StaticCache) and value not in seen:
+                seen.add(value)
+                _int4_layers(value, *specs)
+        return None
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -9,7 +9,7 @@ from kvpass import ops, reference
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
-from kvpass.static import StaticKVCache
+from kvpass.static import StaticKVCache, int4_static_caches
 
 
 def _prompt(length=30):
@@ -99,3 +99,47 @@ def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
         _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
     )
     assert read and set(read) == {0}
+
+
+def test_generate_own_static_cache_is_int4_when_the_model_opts_in():
+    """``cache_implementation="static"`` with generate's kv4 compile route: int4 buffers, the
+    same tokens as a ``StaticKVCache`` of the same size, and a plain forward once opted out."""
+    torch._dynamo.reset()
+    model = build("llama")
+    config = CompileConfig(backend="kv4", fullgraph=True)
+    config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
+    handle = int4_static_caches(model)
+    before = len(kvpass.default_backend().graphs)
+    out = model.generate(
+        _prompt(), max_new_tokens=8, do_sample=False, cache_implementation="static", compile_config=config,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    layers = out.cache.layers
+    assert all(isinstance(t, PackedKV) for layer in layers for t in (layer.keys, layer.values))
+    sites = [site for graph in kvpass.default_backend().graphs[before:] for site in graph.sites]
+    assert sites and all(site.rewritten and site.phase == "static" for site in sites)
+    size = layers[0].max_cache_len
+    expected = model.generate(
+        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=size)
+    )
+    assert torch.equal(out.sequences, expected)
+
+    handle.remove()
+    cache = StaticCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+    assert not isinstance(cache.layers[0].keys, PackedKV)
+
+
+def test_opted_in_model_converts_an_early_initialized_empty_static_cache():
+    """generate allocates a static cache ahead of a chunked prefill; still empty, it becomes int4."""
+    model = build("llama_hd128")
+    config = model.config
+    cache = StaticCache(config, max_cache_len=64)
+    cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
+    int4_static_caches(model)
+    with torch.no_grad():
+        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+    keys = cache.layers[0].keys
+    assert isinstance(keys, PackedKV) and keys.shape[2] == 64
+    assert keys.dequantize()[:, :, :30].abs().max() > 0
