@@ -22,6 +22,7 @@ SUBCOMMANDS = {
 BENCHMARKS = {
     "memory": ("kvpass.bench.memory", "stored KV bytes and peak memory against context length"),
     "decode": ("kvpass.bench.decode", "per-token decode latency against context length"),
+    "append": ("kvpass.bench.append", "cost of appending one token to a cache against context length"),
     "attention": ("kvpass.bench.attention", "GPU decode-attention kernel time against the memory roofline"),
 }
 
@@ -95,7 +96,7 @@ def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text).set_defaults(_module=module)
-    bench = sub.add_parser("bench", help="benchmarks (memory, decode, attention)")
+    bench = sub.add_parser("bench", help="benchmarks (memory, decode, append, attention)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
         bench_sub.add_parser(name, help=help_text).set_defaults(_module=module)

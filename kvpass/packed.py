@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -48,15 +50,26 @@ class PackedKV(torch.Tensor):
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all three, which
     is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
+
+    **Growth.** A cache built by :meth:`from_float` or :meth:`append` (outside tracing)
+    keeps ``codes`` and ``scales`` as sequence-major views (``movedim(2, 0)`` is
+    contiguous) of storages with spare rows at the end. The next append writes its rows
+    there in place and returns a longer view of the same storage; when the rows run out,
+    the storage grows by a fraction of itself (``untyped_storage().resize_``, which every
+    view follows), so appending costs amortized O(new tokens), not O(cache). Only the
+    view that ends at the last written row appends in place; any other view (a crop, a
+    stale reference) copies into a storage of its own, so no view ever sees its tokens
+    change. Strides do not depend on length or capacity, so compiled graphs see one layout.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     residual: torch.Tensor
     spec: QuantSpec
+    _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
-    def __new__(cls, codes, scales, residual, spec, shape=None):
+    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
             shape = (B, H, S_q + residual.shape[2], residual.shape[3])
@@ -64,11 +77,12 @@ class PackedKV(torch.Tensor):
             cls, shape, dtype=residual.dtype, device=codes.device, requires_grad=False
         )
 
-    def __init__(self, codes, scales, residual, spec, shape=None):
+    def __init__(self, codes, scales, residual, spec, shape=None, rows=None):
         self.codes = codes
         self.scales = scales
         self.residual = residual
         self.spec = spec
+        self._rows = rows
 
     @classmethod
     def from_float(cls, x: torch.Tensor, spec: QuantSpec) -> PackedKV:
@@ -100,21 +114,40 @@ class PackedKV(torch.Tensor):
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
         if self.spec.scheme == "token":  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.spec_args(self.spec))
-            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), self.residual, self.spec)
+            return self._extended(codes, scales, self.residual)
         # Residual tokens join the new ones; every whole group among them is quantized now.
         # Floor division instead of a branch keeps symbolic lengths free of guards.
         stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
         n_full = pending.shape[2] // self.spec.group * self.spec.group
         codes, scales = ops.quantize(pending[:, :, :n_full], *ops.spec_args(_unrotated(self.spec)))
-        return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), pending[:, :, n_full:], self.spec)
+        return self._extended(codes, scales, pending[:, :, n_full:])
+
+    def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> PackedKV:
+        """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail."""
+        if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
+            # Traced (fake or functional tensors): a graph states values, not storage reuse.
+            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec)
+        rows = self._rows
+        if rows is not None and rows.ends_at(self.codes, self.scales):
+            new_codes, new_scales = _grow(self.codes, codes), _grow(self.scales, scales)
+            rows.codes_end, rows.scales_end = _row_span(new_codes)[1], _row_span(new_scales)[1]
+        else:
+            new_codes, new_scales = _copy_with_headroom(self.codes, codes), _copy_with_headroom(self.scales, scales)
+            rows = _WrittenRows(_row_span(new_codes)[1], _row_span(new_scales)[1])
+        return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows)
 
     def dequantize(self) -> torch.Tensor:
         """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
         return ops.dequantize(self.codes, self.scales, self.residual, *ops.spec_args(self.spec))
 
     def stored_bytes(self) -> int:
+        """Bytes of the tokens this cache holds (its logical contents, not spare capacity)."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.residual))
+
+    def reserved_bytes(self) -> int:
+        """Bytes allocated for this cache: :meth:`stored_bytes` plus the rows kept for growth."""
+        return sum(t.untyped_storage().nbytes() for t in (self.codes, self.scales, self.residual))
 
     def __repr__(self):
         return (
@@ -133,7 +166,8 @@ class PackedKV(torch.Tensor):
         return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size)
 
     def __reduce_ex__(self, protocol):
-        return _rebuild, (self.codes, self.scales, self.residual, self.spec)
+        # contiguous(): a growable cache's views would otherwise save their spare rows too.
+        return _rebuild, (self.codes.contiguous(), self.scales.contiguous(), self.residual, self.spec)
 
     # Torch functions reach __torch_dispatch__ as aten ops, where the table below applies.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -163,6 +197,69 @@ def _unrotated(spec: QuantSpec) -> QuantSpec:
 
 def _cat(a, b):
     return torch.cat([a, b], dim=2)
+
+
+# Spare rows a growable storage gets: a fraction of its length (amortized O(1) copies per
+# appended row) but at least a decode stretch, so short caches do not regrow every step.
+GROWTH_FRACTION = 8
+MIN_SPARE_ROWS = 256
+
+
+def _capacity(rows: int) -> int:
+    return rows + max(rows // GROWTH_FRACTION, MIN_SPARE_ROWS)
+
+
+def _row_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(first, end)`` rows of storage a sequence-major ``[B, H, S, ...]`` view covers; None if not one."""
+    by_row = t.movedim(2, 0)
+    row = by_row[0].numel() if by_row.shape[0] else math.prod(by_row.shape[1:])
+    if row == 0 or not by_row.is_contiguous() or t.storage_offset() % row:
+        return None
+    first = t.storage_offset() // row
+    return first, first + t.shape[2]
+
+
+@dataclasses.dataclass
+class _WrittenRows:
+    """The end rows of the last writes into a growable cache's ``codes`` and ``scales`` storages.
+
+    Shared by every PackedKV over those storages; only a view ending there may write beyond.
+    """
+
+    codes_end: int
+    scales_end: int
+
+    def ends_at(self, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        spans = _row_span(codes), _row_span(scales)
+        if None in spans:
+            return False
+        (c_first, c_end), (s_first, s_end) = spans
+        # A view over mostly dead rows (a sliding window's evicted front) compacts instead.
+        live = c_end - c_first >= c_first and s_end - s_first >= s_first
+        return live and (c_end, s_end) == (self.codes_end, self.scales_end)
+
+
+def _grow(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat([past, new], dim=2)`` written into ``past``'s storage after its last row."""
+    first, end = _row_span(past)
+    row_bytes = past.stride(2) * past.element_size()
+    storage = past.untyped_storage()
+    if storage.nbytes() < (end + new.shape[2]) * row_bytes:
+        storage.resize_(_capacity(end + new.shape[2]) * row_bytes)
+    shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
+    out = past.as_strided(shape, past.stride(), past.storage_offset())
+    out[:, :, past.shape[2] :].copy_(new)
+    return out
+
+
+def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat([past, new], dim=2)`` in a fresh sequence-major storage with spare rows."""
+    length = past.shape[2] + new.shape[2]
+    rows = past.new_empty((_capacity(length), *past.shape[:2], *past.shape[3:]))
+    out = rows.movedim(0, 2)[:, :, :length]
+    out[:, :, : past.shape[2]].copy_(past)
+    out[:, :, past.shape[2] :].copy_(new)
+    return out
 
 
 def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:

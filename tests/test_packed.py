@@ -126,3 +126,102 @@ def test_bad_input_is_named():
         PackedKV.from_float(torch.randn(4, 8), QuantSpec())
     with pytest.raises(ValueError, match="must be floating point, got torch.int64"):
         PackedKV.from_float(torch.zeros(1, 1, 2, 8, dtype=torch.long), QuantSpec())
+
+
+# --- growth: appends write in place into spare rows -----------------------------------------
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_append_writes_in_place_and_regrows_without_changing_any_view(spec):
+    x, _ = _packed(spec, S=700)
+    p = PackedKV.from_float(x[:, :, :300], spec)
+    views = [p]
+    for start in range(300, 700):
+        views.append(views[-1].append(x[:, :, start : start + 1]))
+    grown = views[-1]
+    # Regrowth (300 + 256 spare rows run out at 556) resizes the storage every view shares.
+    assert _storage(grown.codes) == _storage(p.codes) and _storage(grown.scales) == _storage(p.scales)
+    torch.testing.assert_close(grown.dequantize(), quantize_dequantize(x, spec), rtol=0, atol=0)
+    # Earlier views share the storage and still hold exactly their own tokens.
+    for view in (views[0], views[100], views[299]):
+        n = view.shape[2]
+        torch.testing.assert_close(view.dequantize(), quantize_dequantize(x[:, :, :n], spec), rtol=0, atol=0)
+    assert grown.reserved_bytes() >= grown.stored_bytes()
+
+
+def test_token_appends_reuse_storage_until_it_is_full():
+    spec = QuantSpec(4, "token", 64, rotate=True)
+    x = torch.randn(1, 2, 600, 64)
+    p = PackedKV.from_float(x[:, :, :100], spec)
+    first = _storage(p.codes)
+    storages = set()
+    for start in range(100, 600):
+        p = p.append(x[:, :, start : start + 1])
+        storages.add(_storage(p.codes))
+    # 100 rows + 256 spare: in place up to 356; the 357th row regrows to 357 + 256.
+    assert first in storages and len(storages) <= 2
+    assert p.codes.untyped_storage().nbytes() == (357 + 256) * 2 * 32
+
+
+def test_stale_view_copies_instead_of_overwriting_the_newer_one(spec):
+    x, _ = _packed(spec, S=300)
+    base = PackedKV.from_float(x[:, :, :128], spec)
+    newer = base.append(x[:, :, 128:200])
+    other = torch.randn_like(x[:, :, :72])
+    branch = base.append(other)  # base no longer ends at the last written row
+    torch.testing.assert_close(newer.dequantize(), quantize_dequantize(x[:, :, :200], spec), rtol=0, atol=0)
+    expected = quantize_dequantize(torch.cat([x[:, :, :128], other], dim=2), spec)
+    torch.testing.assert_close(branch.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_sliding_window_eviction_compacts_instead_of_growing_forever():
+    spec = QuantSpec(4, "token", 64)
+    x = torch.randn(1, 2, 3000, 64)
+    window = 100
+    p = PackedKV.from_float(x[:, :, :window], spec)
+    for start in range(window, 3000):
+        p = p.append(x[:, :, start : start + 1])[:, :, 1:]  # DynamicSlidingWindowLayer's update
+    assert p.shape[2] == window
+    torch.testing.assert_close(p.dequantize(), quantize_dequantize(x[:, :, -window:], spec), rtol=0, atol=0)
+    # Live rows + dead front + spare rows stay a small multiple of the window.
+    assert p.codes.untyped_storage().nbytes() <= 4 * (window + 256) * 2 * 32
+
+
+def test_deepcopy_and_save_do_not_share_or_save_spare_rows():
+    import copy
+
+    spec = QuantSpec(4, "token", 64)
+    x = torch.randn(1, 2, 200, 64)
+    p = PackedKV.from_float(x[:, :, :100], spec)
+    twin = copy.deepcopy(p)
+    grown, twin_grown = p.append(x[:, :, 100:150]), twin.append(x[:, :, 150:200])
+    torch.testing.assert_close(grown.dequantize(), quantize_dequantize(x[:, :, :150], spec), rtol=0, atol=0)
+    expected = quantize_dequantize(torch.cat([x[:, :, :100], x[:, :, 150:200]], dim=2), spec)
+    torch.testing.assert_close(twin_grown.dequantize(), expected, rtol=0, atol=0)
+    buffer = io.BytesIO()
+    torch.save(grown, buffer)
+    assert buffer.tell() < grown.reserved_bytes()  # 150 rows saved, not 356
+
+
+def test_compiled_decode_appends_in_place():
+    from transformers import DynamicCache
+
+    import kvpass
+    from kvpass.models_zoo import build
+
+    torch._dynamo.reset()
+    model = build("llama")
+    model.compile(backend=kvpass.kv4())
+    cache = DynamicCache(config=model.config)
+    storages = set()
+    with torch.no_grad():
+        out = model(torch.arange(2, 22)[None], past_key_values=cache, use_cache=True)
+        for _ in range(12):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            storages.add(_storage(cache.layers[0].keys.codes))
+    torch._dynamo.reset()
+    assert isinstance(cache.layers[0].keys, PackedKV) and cache.layers[0].keys.shape[2] == 32
+    assert len(storages) == 1  # every decode step wrote into the prefill's storage

@@ -8,7 +8,10 @@ about 40 MB of weights.
 
 from __future__ import annotations
 
+import json
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -103,3 +106,20 @@ def stored_bytes(cache) -> int:
 
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def command_line(benchmark: str) -> str:
+    """The command that reproduces this run, for the results it writes."""
+    argv = sys.argv[1:]
+    return f"kvpass bench {benchmark} " + " ".join(argv[argv.index(benchmark) + 1 :] if benchmark in argv else argv)
+
+
+def write_results(args, info: dict, markdown_table: str) -> None:
+    """``--json`` gets ``info``; ``--markdown`` the command and the table."""
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
+    if args.markdown:
+        elapsed = f" ({info['elapsed_s']:.0f} s)" if "elapsed_s" in info else ""
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(f"Command: `{info['command']}`{elapsed}\n\n{markdown_table}\n")

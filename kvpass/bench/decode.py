@@ -18,11 +18,9 @@ prefill); ``--fill real`` prefills through the compiled model.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -152,14 +150,7 @@ def run(args) -> int:
                     dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
-    argv = sys.argv[1:]
-    command = "kvpass bench decode " + " ".join(argv[argv.index("decode") + 1 :] if "decode" in argv else argv)
-    info = dict(command=command, elapsed_s=elapsed, dtype=args.dtype, threads=torch.get_num_threads(),
-                torch=torch.__version__, rows=rows)  # fmt: skip
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"Command: `{command}` ({elapsed:.0f} s)\n\n{format_table(rows, markdown=True)}\n")
+    info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype,
+                threads=torch.get_num_threads(), torch=torch.__version__, rows=rows)  # fmt: skip
+    bench.write_results(args, info, format_table(rows, markdown=True))
     return 0

@@ -165,21 +165,11 @@ def run(args) -> int:
     elapsed = time.perf_counter() - t0
     table = format_table(rows)
     print(table)
-    command = "kvpass bench memory " + " ".join(_argv_after("memory"))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(command=command, elapsed_s=elapsed, sizes=sizes, rows=rows), indent=1) + "\n")
+    info = dict(command=bench.command_line("memory"), elapsed_s=elapsed, sizes=sizes, rows=rows)
+    bench.write_results(args, info, format_table(rows, markdown=True))
     if args.plot:
         plot(rows, args.plot)
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"Command: `{command}` ({elapsed:.0f} s)\n\n{format_table(rows, markdown=True)}\n")
     return 0
-
-
-def _argv_after(word: str) -> list[str]:
-    argv = sys.argv[1:]
-    return argv[argv.index(word) + 1 :] if word in argv else argv
 
 
 def _worker(job: str) -> None:

@@ -1,0 +1,116 @@
+"""``kvpass bench append``: the cost of appending one decoded token to a cache, against context.
+
+One layer's K cache (``[batch, kv heads, context, head_dim]``, Llama-3-8B's 8 x 128 by
+default) receives single-token appends, each timed on its own; three ways:
+
+* ``fp16 cat``: ``torch.cat([cache, new], dim=2)``, what ``DynamicCache`` does;
+* ``kv4 copy``: an int4 append that copies the packed cache every step (what a traced
+  graph states, and what kvpass did before caches kept spare rows);
+* ``kv4``: :meth:`kvpass.packed.PackedKV.append` on a growable cache, writing the new
+  token's codes in place and regrowing the storage by a fraction of itself when full.
+
+The median is the typical step; the mean over enough steps to cross a regrowth includes
+the amortized copy. Per-step cost that stays flat as context grows is the claim checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from kvpass.tables import render_table
+
+METHODS = ("fp16 cat", "kv4 copy", "kv4")
+
+
+def _appender(method: str, past: torch.Tensor, spec):
+    from kvpass.packed import PackedKV
+
+    if method == "fp16 cat":
+        return past, lambda cache, new: torch.cat([cache, new], dim=2)
+    packed = PackedKV.from_float(past, spec)
+    if method == "kv4 copy":
+        # Dropping the growth bookkeeping makes every append copy into new storage.
+        return packed, lambda cache, new: PackedKV(cache.codes, cache.scales, cache.residual, spec).append(new)
+    return packed, lambda cache, new: cache.append(new)
+
+
+@torch.no_grad()
+def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, head_dim: int = 128) -> dict:
+    from kvpass.config import KVConfig
+    from kvpass.packed import GROWTH_FRACTION, MIN_SPARE_ROWS
+
+    g = torch.Generator().manual_seed(0)
+    past = torch.randn(batch, heads, ctx, head_dim, generator=g).half()
+    new = torch.randn(batch, heads, 1, head_dim, generator=g).half()
+    cache, append = _appender(method, past, KVConfig().k)
+    cache = append(cache, new)  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        cache = append(cache, new)
+        times.append(time.perf_counter() - t0)
+    period = max(ctx // GROWTH_FRACTION, MIN_SPARE_ROWS) if method == "kv4" else 1
+    return dict(
+        method=method, ctx=ctx, batch=batch, heads=heads, head_dim=head_dim, steps=steps,
+        median_us=1e6 * statistics.median(times), mean_us=1e6 * statistics.fmean(times),
+        max_us=1e6 * max(times), copies_whole_cache_every=period, threads=torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def run_grid(methods, contexts, steps: int | None = None, **shape) -> list[dict]:
+    from kvpass.packed import GROWTH_FRACTION, MIN_SPARE_ROWS
+
+    rows = []
+    for ctx in contexts:
+        # Enough steps to cross one regrowth of the growable cache, so the mean is amortized.
+        n = steps or max(ctx // GROWTH_FRACTION, MIN_SPARE_ROWS) + 1
+        for method in methods:
+            rows.append(measure(method, ctx, n, **shape))
+            r = rows[-1]
+            print(f"  {method} ctx {ctx}: median {r['median_us']:,.1f} us, mean {r['mean_us']:,.1f} us",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict], markdown: bool = False) -> str:
+    header = ["method", "ctx", "steps", "median (us)", "mean (us)", "max (us)", "median x at 1st ctx"]
+    first = {}
+    lines = []
+    for r in rows:
+        base = first.setdefault(r["method"], r["median_us"])
+        lines.append([
+            r["method"], f"{r['ctx']:,}", str(r["steps"]), f"{r['median_us']:,.1f}", f"{r['mean_us']:,.1f}",
+            f"{r['max_us']:,.0f}", f"{r['median_us'] / base:.2f}",
+        ])  # fmt: skip
+    return render_table(header, lines, markdown)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--contexts", default="1024,4096,16384,65536", help="comma-separated context lengths")
+    parser.add_argument("--steps", type=int, help="appends timed per point (default: enough to cross a regrowth)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--json", metavar="PATH", help="write the rows here")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
+
+
+def run(args) -> int:
+    from kvpass import bench
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}; use one of {', '.join(METHODS)}")
+    rows = run_grid(methods, bench.parse_ints(args.contexts), args.steps,
+                    batch=args.batch, heads=args.heads, head_dim=args.head_dim)  # fmt: skip
+    print(format_table(rows))
+    info = dict(command=bench.command_line("append"), torch=torch.__version__, rows=rows)
+    bench.write_results(args, info, format_table(rows, markdown=True))
+    return 0
