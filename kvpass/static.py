@@ -63,7 +63,7 @@ def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> No
         if type(layer) is StaticLayer and (not layer.is_initialized or int(layer.cumulative_length) == 0):
             packed = PackedStaticLayer(layer.max_cache_len, k_spec, v_spec)
             if layer.is_initialized:
-                # Allocated ahead of the prefill (generate does so for chunked prefill): same shapes, int4.
+                # Allocated ahead of its first forward (early_initialization): same shapes, int4.
                 packed.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
             layer = packed
         layers.append(layer)
@@ -89,7 +89,9 @@ def int4_static_caches(model: torch.nn.Module, k_spec: QuantSpec | None = None, 
 
     A forward pre-hook (remove it with the returned handle's ``remove()``). It acts on eager
     calls only, where ``generate`` runs the prefill that allocates the buffers; a compiled
-    forward traces it as a no-op, so it adds no guard and no graph break.
+    forward traces it as a no-op, so it adds no guard and no graph break. A cache whose first
+    forward is compiled (``model.compile``, or generate's chunked prefill under
+    ``compile_config``) therefore stays fp, and the kv4 report says so.
     """
     specs = _specs(k_spec, v_spec)
     seen = weakref.WeakSet()  # each cache once, at its first forward: later steps pay nothing
