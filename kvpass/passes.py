@@ -28,6 +28,7 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kvpass import graph_ops
 from kvpass.config import KVConfig, QuantSpec
@@ -72,6 +73,18 @@ class _Attention:
     is_causal: bool
     softcap: float = 0.0
     keep: fx.Node | None = None  # bool mask applied as torch.where(keep, scores, very negative)
+    drop: fx.Node | None = None  # bool mask applied as scores.masked_fill(drop, very negative)
+    bias: list[_Bias] = dataclasses.field(default_factory=list)  # further terms added to the scores
+    folded: bool = False  # the output is [B * H, T, D] (torch.bmm), the fused op's is [B, H, T, D]
+
+
+@dataclasses.dataclass
+class _Bias:
+    """A term added to the scores (a mask, ALiBi, a position bias), summed into the op's mask."""
+
+    node: fx.Node
+    factor: float = 1.0
+    folded: bool = False  # [B * H, T, S]: heads folded into the batch, unflattened for the op
 
 
 @dataclasses.dataclass
@@ -258,6 +271,7 @@ def _match_sdpa(sdpa: fx.Node) -> _Attention:
 
 SOFTMAX_TARGETS = (torch.nn.functional.softmax, torch.softmax)
 MATMUL_TARGETS = (torch.matmul, operator.matmul)
+BMM_TARGETS = (torch.bmm,)
 
 
 def _is_call(node, targets=(), method=None) -> bool:
@@ -267,19 +281,42 @@ def _is_call(node, targets=(), method=None) -> bool:
 
 
 def _softmax_candidates(graph: fx.Graph):
-    return [n for n in graph.nodes if _is_call(n, SOFTMAX_TARGETS, "softmax") and _probs_consumer(n) is not None]
+    return [n for n in graph.nodes if _is_call(n, SOFTMAX_TARGETS, "softmax") and _probs_consumer(n, MATMUL_TARGETS)]
 
 
-def _probs_consumer(softmax: fx.Node):
-    """The ``probs @ V`` matmul after softmax -> [to / type_as] -> [dropout], or None."""
+def _bmm_softmax_candidates(graph: fx.Graph):
+    return [n for n in graph.nodes if _is_call(n, SOFTMAX_TARGETS, "softmax") and _probs_consumer(n, BMM_TARGETS)]
+
+
+def _is_reshape(node) -> bool:
+    return _is_call(node, (torch.reshape,), "view") or _is_call(node, (), "reshape")
+
+
+def _known(condition) -> bool:
+    """True only when the shapes prove it, so the check adds no guard on symbolic sizes."""
+    return statically_known_true(condition)
+
+
+def _keeps_key_dim(view: fx.Node) -> bool:
+    """A view or reshape that leaves the last (key) dimension as it was."""
+    out, src = _val(view), _val(view.args[0])
+    return out is not None and src is not None and _known(out.shape[-1] == src.shape[-1])
+
+
+def _probs_consumer(softmax: fx.Node, targets):
+    """``(probs @ V, passed)`` after softmax -> [to / type_as / view] -> [dropout], or None."""
     node, passed = softmax, [softmax]
     while len(node.users) == 1:
         (user,) = node.users
-        if _is_call(user, (torch.nn.functional.dropout,), "to") or user.target in ("type", "type_as", "contiguous"):
+        if (
+            _is_call(user, (torch.nn.functional.dropout,), "to")
+            or user.target in ("type", "type_as", "contiguous")
+            or (_is_reshape(user) and _keeps_key_dim(user))
+        ):
             node = user
             passed.append(user)
             continue
-        if _is_call(user, MATMUL_TARGETS) and user.args[0] is node:
+        if _is_call(user, targets) and user.args[0] is node:
             return user, passed
         return None
     return None
@@ -289,11 +326,150 @@ def _number(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def _is_fp32_cast(node) -> bool:
+    return _is_call(node, (), "float") or (_is_call(node, (), "to") and node.args[1:] == (torch.float32,) and not node.kwargs)
+
+
+def _folded_heads(flat: fx.Node, role: str) -> fx.Node:
+    """``x.reshape(B * H, S, D)`` of a 4-D ``x [B, H, S, D]``: returns ``x``."""
+    if not _is_reshape(flat) or not isinstance(flat.args[0], fx.Node):
+        raise NoMatch(f"{role} of the 3-D attention is {flat.name}, not a reshape of a [B, H, S, D] tensor")
+    src, out = _val(flat.args[0]), _val(flat)
+    if src is None or out is None or src.dim() != 4 or out.dim() != 3:
+        raise NoMatch(f"{role} reshape {flat.name} does not fold the heads of a 4-D tensor into the batch")
+    if not (_known(out.shape[0] == src.shape[0] * src.shape[1]) and _known(out.shape[2] == src.shape[3])):
+        raise NoMatch(f"{role} reshape {flat.name} is not [B, H, S, D] -> [B * H, S, D]")
+    return flat.args[0]
+
+
+def _baddbmm_args(node: fx.Node) -> dict:
+    names = ("input", "batch1", "batch2")
+    bound = {"beta": 1.0, "alpha": 1.0, **dict(zip(names, node.args))}
+    bound.update(node.kwargs)
+    return bound
+
+
+@dataclasses.dataclass
+class _Scores:
+    """The softmax input read back to ``q @ k^T``."""
+
+    nodes: list[fx.Node]
+    query: fx.Node  # 4-D [B, H, T, D]
+    key: fx.Node  # 4-D [B, H_kv, S, D]
+    key_reader: fx.Node
+    folded: bool  # computed on [B * H, T, S] (torch.bmm / baddbmm)
+    scale: float
+    softcap: float
+    bias: list[_Bias]
+    keep: fx.Node | None
+    drop: fx.Node | None
+
+
+def _bias_term(term, added_at: fx.Node, factor: float = 1.0) -> _Bias:
+    if not isinstance(term, fx.Node):
+        raise NoMatch(f"scores get a constant {term!r} added at {added_at.name}")
+    at, val = _val(added_at), _val(term)
+    # Added to [B * H, T, S] scores: a per-head term has the heads folded into its batch.
+    folded = at is not None and at.dim() == 3 and val is not None and val.dim() == 3 and not _known(val.shape[0] == 1)
+    return _Bias(term, factor, folded)
+
+
+def _walk_scores(node: fx.Node) -> _Scores:
+    """From the softmax input back to ``q @ k^T``; see the module docstring for what is accepted.
+
+    Stages only go forward (masking, then the soft-cap, then the scale), so a mask added
+    before the scale or inside the cap is refused rather than folded wrongly.
+    """
+    nodes, bias = [], []
+    keep = drop = None
+    scale, softcap, stage = 1.0, 0.0, 0
+    while True:
+        if _is_reshape(node):
+            if not _keeps_key_dim(node):
+                raise NoMatch(f"scores are reshaped at {node.name} across the key dimension")
+            nodes.append(node)
+            node = node.args[0]
+        elif _is_fp32_cast(node):
+            nodes.append(node)
+            node = node.args[0]
+        elif stage == 0 and _is_call(node, (torch.max,)) and len(node.args) == 2 and _is_very_negative(node.args[1]):
+            # clamping at finfo.min changes no row that has a key left
+            nodes += [node, node.args[1]] if isinstance(node.args[1], fx.Node) else [node]
+            node = node.args[0]
+        elif stage == 0 and _is_call(node, (operator.add, torch.add), "add") and len(node.args) == 2 and not node.kwargs:
+            lhs, rhs = node.args
+            scores_side = lhs if _leads_to_qk(lhs) else rhs if _leads_to_qk(rhs) else None
+            if scores_side is None:
+                raise NoMatch(f"neither side of {node.name} leads to q @ k^T")
+            bias.append(_bias_term(rhs if scores_side is lhs else lhs, node))
+            nodes.append(node)
+            node = scores_side
+        elif stage == 0 and keep is None and _is_call(node, (torch.where,)) and len(node.args) == 3:
+            keep, inner, fill = node.args
+            if not _is_very_negative(fill):
+                raise NoMatch(f"scores are masked at {node.name} with {fill}, not a very negative constant")
+            nodes += [node, fill] if isinstance(fill, fx.Node) else [node]
+            node = inner
+        elif stage == 0 and drop is None and _is_call(node, (), "masked_fill") and len(node.args) == 3:
+            inner, drop, fill = node.args
+            if not _is_very_negative(fill):
+                raise NoMatch(f"scores are masked at {node.name} with {fill}, not a very negative constant")
+            nodes.append(node)
+            node = inner
+        elif stage == 0 and _is_call(node, (operator.mul,)) and _is_call(node.args[0], (torch.tanh,), "tanh"):
+            cap = _number(node.args[1])
+            inner = node.args[0].args[0]
+            if cap is None or not _is_call(inner, (operator.truediv,)) or _number(inner.args[1]) != cap:
+                raise NoMatch(f"scores pass through tanh at {node.name} that is not cap * tanh(s / cap)")
+            nodes += [node, node.args[0], inner]
+            softcap, node, stage = float(cap), inner.args[0], 1
+        elif stage < 2 and _is_call(node, (operator.mul, operator.truediv)):
+            factor = _number(node.args[1])
+            if factor is None:
+                raise NoMatch(f"scores are scaled at {node.name} by a tensor, not a constant")
+            scale = factor if node.target is operator.mul else 1.0 / factor
+            nodes.append(node)
+            node, stage = node.args[0], 2
+        else:
+            break
+    if _is_call(node, MATMUL_TARGETS):
+        query, k_t = node.args[:2]
+        if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 4 for d in k_t.args[1:3]) == [2, 3]):
+            raise NoMatch(f"the keys of {node.name} are not transposed over their last two dimensions")
+        nodes += [node, k_t]
+        return _Scores(nodes, query, k_t.args[0], k_t, False, scale, softcap, bias, keep, drop)
+    if _is_call(node, BMM_TARGETS, "bmm") or _is_call(node, (torch.baddbmm,), "baddbmm"):
+        if node.target in (torch.bmm, "bmm"):
+            q_flat, k_t = (node.args + tuple(node.kwargs.values()))[:2]
+        else:
+            args = _baddbmm_args(node)
+            q_flat, k_t, alpha, beta = args["batch1"], args["batch2"], _number(args["alpha"]), _number(args["beta"])
+            if alpha is None or beta is None:
+                raise NoMatch(f"baddbmm {node.name} has a non-constant alpha or beta")
+            if stage == 2:
+                raise NoMatch(f"baddbmm {node.name} is scaled again after its alpha, bias included")
+            scale *= alpha
+            added = args["input"]
+            if _is_call(added, (torch.zeros,)):
+                nodes.append(added)  # a zero bias: baddbmm used as a scaled bmm
+            elif beta:
+                bias.append(_bias_term(added, node, beta))
+        if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 3 for d in k_t.args[1:3]) == [1, 2]):
+            raise NoMatch(f"the keys of {node.name} are not transposed over their last two dimensions")
+        query, key = _folded_heads(q_flat, "query"), _folded_heads(k_t.args[0], "K")
+        if not _known(_val(query).shape[1] == _val(key).shape[1]):
+            raise NoMatch(f"3-D attention {node.name} folds different head counts for q and K")
+        nodes += [node, k_t, k_t.args[0], q_flat]
+        return _Scores(nodes, query, key, k_t.args[0], True, scale, softcap, bias, keep, drop)
+    raise NoMatch(f"softmax input {node.name} is not q @ k^T (times a constant, plus a mask)")
+
+
 def _match_eager(softmax: fx.Node) -> _Attention:
-    """``matmul(q, k^T) * scale [-> softcap] [+ mask] -> softmax -> [to] [-> dropout] -> matmul(., v)``."""
-    out, probs_nodes = _probs_consumer(softmax)
+    """``scores -> softmax -> [to] [-> view] [-> dropout] -> matmul(., v)`` or ``bmm`` over folded heads."""
+    consumer = _probs_consumer(softmax, MATMUL_TARGETS) or _probs_consumer(softmax, BMM_TARGETS)
+    out, probs_nodes = consumer
     dim = softmax.kwargs.get("dim", softmax.args[1] if len(softmax.args) > 1 else None)
-    if dim not in (-1, 3):
+    if dim not in (-1, _val(softmax).dim() - 1 if _val(softmax) is not None else 3):
         raise NoMatch(f"softmax over dim {dim}, not the key dimension")
     for node in probs_nodes:
         if _is_call(node, (torch.nn.functional.dropout,)):
@@ -301,56 +477,34 @@ def _match_eager(softmax: fx.Node) -> _Attention:
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if p != 0.0 and training:
                 raise NoMatch(f"attention dropout p={p} in training mode (only inference attention is rewritten)")
-    nodes = [out, *reversed(probs_nodes)]
-    scores = softmax.args[0]
-    attn_mask, softcap, scale = None, 0.0, 1.0
-    if _is_call(scores, (operator.add, torch.add), "add"):
-        lhs, rhs = scores.args[:2]
-        # the scores side is the one that leads to the q @ k^T matmul
-        scores_side = lhs if _leads_to_qk(lhs) else rhs
-        attn_mask = rhs if scores_side is lhs else lhs
-        nodes.append(scores)
-        scores = scores_side
-    keep = None
-    if _is_call(scores, (torch.where,)) and len(scores.args) == 3:
-        keep, inner, fill = scores.args
-        if not _is_very_negative(fill):
-            raise NoMatch(f"scores are masked at {scores.name} with {fill}, not a very negative constant")
-        nodes += [scores, fill] if isinstance(fill, fx.Node) else [scores]
-        scores = inner
-    if _is_call(scores, (operator.mul,)) and _is_call(scores.args[0], (torch.tanh,), "tanh"):
-        cap = _number(scores.args[1])
-        inner = scores.args[0].args[0]
-        if cap is None or not _is_call(inner, (operator.truediv,)) or _number(inner.args[1]) != cap:
-            raise NoMatch(f"scores pass through tanh at {scores.name} that is not cap * tanh(s / cap)")
-        nodes += [scores, scores.args[0], inner]
-        softcap, scores = float(cap), inner.args[0]
-    if _is_call(scores, (operator.mul, operator.truediv)):
-        factor = _number(scores.args[1])
-        if factor is None:
-            raise NoMatch(f"scores are scaled at {scores.name} by a tensor, not a constant")
-        scale = factor if scores.target is operator.mul else 1.0 / factor
-        nodes.append(scores)
-        scores = scores.args[0]
-    if not _is_call(scores, MATMUL_TARGETS):
-        raise NoMatch(f"softmax input {scores.name} is not q @ k^T (times a constant, plus a mask)")
-    query, k_t = scores.args[:2]
-    if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 4 for d in k_t.args[1:3]) == [2, 3]):
-        raise NoMatch(f"the keys of {scores.name} are not transposed over their last two dimensions")
-    nodes += [scores, k_t]
-    return _Attention(out, nodes, query, k_t.args[0], k_t, out.args[1], out, attn_mask, scale, False, softcap, keep)
+    scores = _walk_scores(softmax.args[0])
+    value, value_reader, nodes = out.args[1], out, [out]
+    if out.target is torch.bmm:
+        value = _folded_heads(value, "V")
+        value_reader = out.args[1]
+        nodes.append(value_reader)
+    nodes += [*reversed(probs_nodes), *scores.nodes]
+    return _Attention(
+        out, nodes, scores.query, scores.key, scores.key_reader, value, value_reader, None, scale=scores.scale,
+        is_causal=False, softcap=scores.softcap, keep=scores.keep, drop=scores.drop, bias=scores.bias,
+        folded=out.target is torch.bmm,
+    )  # fmt: skip
 
 
 def _is_very_negative(fill) -> bool:
-    """A masking fill: a number or a ``torch.tensor(number)`` of at most -1e4 (finfo.min, -inf)."""
+    """A masking fill: a number, ``torch.tensor(number)`` or ``torch.full((), number)`` of at most -1e4."""
     if isinstance(fill, fx.Node) and fill.op == "call_function" and fill.target is torch.tensor:
         fill = fill.args[0]
+    elif isinstance(fill, fx.Node) and fill.op == "call_function" and fill.target is torch.full:
+        if fill.args[0] not in ((), []):
+            return False
+        fill = fill.args[1]
     return _number(fill) is not None and fill <= -1e4
 
 
 def _leads_to_qk(node) -> bool:
-    for _ in range(6):  # through the scale, the soft-cap and a torch.where mask
-        if _is_call(node, MATMUL_TARGETS):
+    for _ in range(10):  # through views, casts, the scale, the soft-cap, clamps and masks
+        if _is_call(node, MATMUL_TARGETS + BMM_TARGETS + (torch.baddbmm,), "baddbmm") or _is_call(node, (), "bmm"):
             return True
         if not isinstance(node, fx.Node) or not node.args:
             return False
@@ -362,6 +516,7 @@ def _leads_to_qk(node) -> bool:
 ATTENTION_FORMS = {
     "sdpa": (_sdpa_candidates, _match_sdpa),
     "eager": (_softmax_candidates, _match_eager),
+    "bmm": (_bmm_softmax_candidates, _match_eager),
 }
 
 
@@ -385,20 +540,43 @@ def _copy_meta(src: fx.Node, dst: fx.Node):
     dst.meta.update({key: value for key, value in src.meta.items() if key in ("nn_module_stack", "stack_trace")})
 
 
-def _fold_keep_into_mask(graph: fx.Graph, attn: _Attention) -> None:
-    """``where(keep, s, -big) + mask`` is ``s + where(keep, mask, -inf)``: one mask for the op."""
-    if attn.keep is None:
+def _replace_output(graph: fx.Graph, attn: _Attention, fused: fx.Node) -> None:
+    _copy_meta(attn.output, fused)
+    if attn.folded:
+        with graph.inserting_after(fused):
+            fused = graph.call_method("flatten", (fused, 0, 1))  # [B, H, T, D] -> [B * H, T, D]
+        _copy_meta(attn.output, fused)
+    attn.output.replace_all_uses_with(fused)
+
+
+def _build_mask(graph: fx.Graph, attn: _Attention) -> None:
+    """Every term and bool mask the scores went through, as one mask for the fused op.
+
+    ``where(keep, s, -big) + m`` is ``s + where(keep, m, -inf)``, and likewise for
+    ``masked_fill(drop, -big)``, whichever order the model applied them in.
+    """
+    if not (attn.bias or attn.keep is not None or attn.drop is not None):
         return
+    mask = attn.attn_mask
     with graph.inserting_before(attn.output):
-        attn.attn_mask = graph.call_function(
-            torch.where, (attn.keep, 0.0 if attn.attn_mask is None else attn.attn_mask, float("-inf"))
-        )
+        for term in attn.bias:
+            node = term.node
+            if term.folded:
+                node = graph.call_method("unflatten", (node, 0, (-1, _val(attn.query).shape[1])))
+            if term.factor != 1.0:
+                node = graph.call_function(operator.mul, (node, term.factor))
+            mask = node if mask is None else graph.call_function(operator.add, (mask, node))
+        if attn.keep is not None:
+            mask = graph.call_function(torch.where, (attn.keep, 0.0 if mask is None else mask, float("-inf")))
+        if attn.drop is not None:
+            mask = graph.call_function(torch.where, (attn.drop, float("-inf"), 0.0 if mask is None else mask))
+    attn.attn_mask = mask
 
 
 def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig):
     # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
     # HF's mask hides the slots not written yet.
-    _fold_keep_into_mask(graph, attn)
+    _build_mask(graph, attn)
     for write in (k, v):
         with graph.inserting_before(write.node):
             graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
@@ -413,8 +591,7 @@ def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _
                 **({"softcap": attn.softcap} if attn.softcap else {}),
             },
         )  # fmt: skip
-    _copy_meta(attn.output, fused)
-    attn.output.replace_all_uses_with(fused)
+    _replace_output(graph, attn, fused)
     _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
     return "static"
 
@@ -430,7 +607,7 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
         for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
             (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
     else:
-        _fold_keep_into_mask(graph, attn)
+        _build_mask(graph, attn)
         with graph.inserting_before(attn.output):
             fused = graph.call_function(
                 graph_ops.kv4_sdpa,
@@ -441,8 +618,7 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
                     **({"softcap": attn.softcap} if attn.softcap else {}),
                 },
             )  # fmt: skip
-        _copy_meta(attn.output, fused)
-        attn.output.replace_all_uses_with(fused)
+        _replace_output(graph, attn, fused)
         _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
     for write in (k, v):
         past_ctor = write.node.args[0][0]
