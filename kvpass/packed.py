@@ -205,8 +205,13 @@ GROWTH_FRACTION = 8
 MIN_SPARE_ROWS = 256
 
 
+def spare_rows(rows: int) -> int:
+    """Rows a growable storage holding ``rows`` gets on top: appends until the next regrowth."""
+    return max(rows // GROWTH_FRACTION, MIN_SPARE_ROWS)
+
+
 def _capacity(rows: int) -> int:
-    return rows + max(rows // GROWTH_FRACTION, MIN_SPARE_ROWS)
+    return rows + spare_rows(rows)
 
 
 def _row_span(t: torch.Tensor) -> tuple[int, int] | None:

@@ -52,3 +52,17 @@ def test_cli_arguments_parse():
         module.add_arguments(parser)
         args = parser.parse_args(["--contexts", "64", "--long"])
         assert args.long and args.contexts == "64"
+
+
+def test_append_grid_times_every_method_and_amortizes_the_growable_cache():
+    from kvpass.bench import append
+    from kvpass.packed import spare_rows
+
+    rows = append.run_grid(append.METHODS, [300], heads=2, head_dim=64)
+    by = {r["method"]: r for r in rows}
+    assert set(by) == set(append.METHODS)
+    # The growable cache runs past its spare rows, so its mean includes one regrowth.
+    assert by["kv4"]["steps"] == spare_rows(300) + 1 and by["kv4"]["copies_whole_cache_every"] == 256
+    assert by["fp16 cat"]["steps"] == append.COPYING_STEPS
+    assert all(r["median_us"] > 0 and r["max_us"] >= r["mean_us"] for r in rows)
+    assert "kv4 copy" in append.format_table(rows)

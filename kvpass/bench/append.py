@@ -25,6 +25,7 @@ import torch
 from kvpass.tables import render_table
 
 METHODS = ("fp16 cat", "kv4 copy", "kv4")
+COPYING_STEPS = 200
 
 
 def _appender(method: str, past: torch.Tensor, spec):
@@ -42,7 +43,7 @@ def _appender(method: str, past: torch.Tensor, spec):
 @torch.no_grad()
 def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, head_dim: int = 128) -> dict:
     from kvpass.config import KVConfig
-    from kvpass.packed import GROWTH_FRACTION, MIN_SPARE_ROWS
+    from kvpass.packed import spare_rows
 
     g = torch.Generator().manual_seed(0)
     past = torch.randn(batch, heads, ctx, head_dim, generator=g).half()
@@ -54,7 +55,7 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
         t0 = time.perf_counter()
         cache = append(cache, new)
         times.append(time.perf_counter() - t0)
-    period = max(ctx // GROWTH_FRACTION, MIN_SPARE_ROWS) if method == "kv4" else 1
+    period = spare_rows(ctx) if method == "kv4" else 1
     return dict(
         method=method, ctx=ctx, batch=batch, heads=heads, head_dim=head_dim, steps=steps,
         median_us=1e6 * statistics.median(times), mean_us=1e6 * statistics.fmean(times),
@@ -63,14 +64,15 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
 
 
 def run_grid(methods, contexts, steps: int | None = None, **shape) -> list[dict]:
-    from kvpass.packed import GROWTH_FRACTION, MIN_SPARE_ROWS
+    from kvpass.packed import spare_rows
 
     rows = []
     for ctx in contexts:
-        # Enough steps to cross one regrowth of the growable cache, so the mean is amortized.
-        n = steps or max(ctx // GROWTH_FRACTION, MIN_SPARE_ROWS) + 1
         for method in methods:
-            rows.append(measure(method, ctx, n, **shape))
+            # The growable cache runs long enough to cross one regrowth, so its mean is amortized;
+            # the copying ones cost the same every step.
+            default = spare_rows(ctx) + 1 if method == "kv4" else COPYING_STEPS
+            rows.append(measure(method, ctx, steps or default, **shape))
             r = rows[-1]
             print(f"  {method} ctx {ctx}: median {r['median_us']:,.1f} us, mean {r['mean_us']:,.1f} us",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -93,7 +95,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--contexts", default="1024,4096,16384,65536", help="comma-separated context lengths")
-    parser.add_argument("--steps", type=int, help="appends timed per point (default: enough to cross a regrowth)")
+    parser.add_argument("--steps", type=int, help=f"appends timed per point (default: {COPYING_STEPS}; "
+                        "kv4: enough to cross a regrowth)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=int, default=128)
