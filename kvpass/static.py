@@ -48,11 +48,10 @@ class PackedStaticLayer(StaticLayer):
         self.values = PackedKV.zeros((*shape, self.v_head_dim), value_states.dtype, self.device, self.v_spec)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
-            # Fixed addresses, as HF marks its own buffers, so CUDA graphs can replay.
-            for tensor in (self.keys, self.values):
-                torch._dynamo.mark_static_address(tensor.codes)
-                torch._dynamo.mark_static_address(tensor.scales)
-            torch._dynamo.mark_static_address(self.cumulative_length)
+            # Fixed addresses, as HF marks its own buffers, so CUDA graphs replay without copying
+            # them in. AOTAutograd reads the mark on the PackedKV, not on its inner tensors.
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
 
 
