@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -19,8 +20,10 @@ from pathlib import Path
 
 log = logging.getLogger("kvpass")
 
-# The sizes every tiny config gets, where the config has the attribute (attribute_map
-# translates the standard names, e.g. n_layer for GPT-2).
+# The sizes every tiny config gets, where its class declares the field (attribute_map
+# translates the standard names, e.g. n_layer for GPT-2). Besides the common sizes: MLA
+# ranks and head dims (K and V head dims stay unequal, as in the real models), partial
+# rotary dims, sparse-attention indexers, linear-attention and SSM mixers, MoE routing.
 TINY = {
     "num_hidden_layers": 2,
     "hidden_size": 128,
@@ -35,8 +38,92 @@ TINY = {
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "rotary_dim": 16,
+    "index_n_heads": 2,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "mamba_d_state": 16,
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": 256,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
+    "mamba_chunk_size": 32,
+    "mamba_dt_rank": 16,
 }
+# Fields that hold the same size as one of these in the real config keep doing so, where
+# their name says they are that kind of size (rwkv's attention_hidden_size, xlstm's
+# embedding_dim, inkling2's swa_num_attention_heads, per-layer head counts).
+TIED = {
+    "hidden_size": re.compile(r"hidden_size|embed|model_dim|adapter_in"),
+    "intermediate_size": re.compile(r"intermediate|ffn"),
+    "head_dim": re.compile(r"head_dim"),
+    "num_attention_heads": re.compile(r"attention_heads"),
+    "num_key_value_heads": re.compile(r"key_value_heads|kv_heads"),
+    "num_hidden_layers": re.compile(r"layers"),
+}
+# (heads, head dim, expand) fields of SSM mixers, whose heads x head dim must equal expand x hidden.
+SSM_HEADS = (
+    ("num_heads", "head_dim", "expand"),
+    ("mamba_num_heads", "mamba_head_dim", "expand"),
+    ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+)
+SSM_HEAD_DIM = 32
+SUB_TIED = re.compile(r"_size$|_dim$")
+# Mixed per-layer kinds (attention / linear attention / MoE ...) get one layer each, up to this depth.
+MAX_LAYERS = 4
+
+QWEN4_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32, "indexer_budget": 16, "indexer_compress_ratio": 4}
+DOTS3_TEXT = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 64,
+              "swa_kv_lora_rank": 32, "swa_head_dim": 48, "swa_qk_nope_head_dim": 32, "swa_v_head_dim": 32}  # fmt: skip
 PROMPT_TOKENS = 70
+
+# Values no generic rule can derive, by model type; each says why.
+PER_TYPE: dict[str, dict] = {
+    # default configs with no attention layer at all (checkpoints list theirs)
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    # input, recurrent and output blocks must add up to the depth
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},  # fmt: skip
+    # DbrxAttentionConfig declares no rope_theta, which the model reads (checkpoints carry it)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+             "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},  # fmt: skip
+    # the default config has no RoPE parameters for its layer types
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # KV sharing over the last 15 of 35 layers needs more layers than the tiny depth has
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "gemma3n": {"text_config": {"num_kv_shared_layers": 0}},
+    # the default config has no layer_types, which the model indexes
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # the default config leaves the QSA indexer of its indexed_attention layers unset
+    "qwen4_exp_text": QWEN4_QSA,
+    "qwen4_exp": {"text_config": QWEN4_QSA},
+    # the sliding layers' sizes are constructor-only swa_* arguments
+    "dots3_note_text": DOTS3_TEXT,
+    "dots3_note": {"text_config": DOTS3_TEXT},
+    # the default config fails its own validator: an assistant has no per-layer inputs
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # must spell out every layer
+    "zaya": {"num_experts_per_tok": 1},  # the only value ZAYA supports
+}
 
 
 def causal_lm_types() -> list[str]:
@@ -46,23 +133,110 @@ def causal_lm_types() -> list[str]:
 
 
 def tiny_config(model_type: str):
-    from transformers import AutoConfig
+    """The default config of ``model_type`` shrunk consistently.
 
-    config = AutoConfig.for_model(model_type)
+    Shrunk values go to the config constructor, never onto a built config, so values the
+    constructor derives (MLA's qk_head_dim, Falcon's head_dim property, per-layer configs,
+    layer_types from the depth) follow them. Only declared fields are passed.
+    """
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import PreTrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"unknown model type {model_type!r}")
+    cls = CONFIG_MAPPING[model_type]
+    extra = PER_TYPE.get(model_type, {})
+    subs = dict(cls.sub_configs or {})
+    try:
+        default = cls()
+    except StrictDataclassClassValidationError:  # the default fails its own validator: build it with the fixes
+        default = cls(**{key: value for key, value in extra.items() if key in subs})
+    text = default.get_text_config(decoder=True)
+    # text-only (the text config is the config itself, or for encoder-decoders a view of it)
+    top = {} if any(getattr(default, key, None) is text for key in subs) else tiny_fields(default)
+    # Sub-configs that size themselves after the text model (e.g. a vision adapter's output)
+    text_hidden = getattr(text, "hidden_size", None)
+    ties = {(SUB_TIED, text_hidden): TINY["hidden_size"]} if isinstance(text_hidden, int) else {}
+    built = {}
+    for key in subs:
+        if isinstance(sub := getattr(default, key, None), PreTrainedConfig):
+            spec = (cls.sub_configs_defaults or {}).get(key)
+            init = spec.init_kwargs if spec else {}
+            fields = tiny_fields(sub, ties, grow=sub is text)
+            built[key] = type(sub)(**{**init, **fields, **extra.get(key, {})})
+    return _finish(cls(**{**top, **extra, **built}))
+
+
+def _finish(config):
     text = config.get_text_config(decoder=True)
-    for name, value in TINY.items():
-        if hasattr(text, name) and getattr(text, name) is not None:
-            setattr(text, name, value)
-    # Per-layer lists were sized for the real depth.
-    for name in ("layer_types", "layers_block_type", "block_types"):
-        value = getattr(text, name, None)
-        if isinstance(value, list) and len(value) > TINY["num_hidden_layers"]:
-            # keep one of each kind where the real model mixes kinds
-            kinds = list(dict.fromkeys(value))
-            setattr(text, name, (kinds * TINY["num_hidden_layers"])[: TINY["num_hidden_layers"]])
     text.eos_token_id = None
     text.pad_token_id = 0
     return config
+
+
+def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
+    """Constructor arguments that shrink ``config`` (a built default config).
+
+    ``ties`` maps (field name pattern, real size) to the tiny size, on top of :data:`TIED`.
+    ``grow=False`` keeps sizes already under the tiny ones (vision, audio, codec sub-configs
+    the text prompt never runs, e.g. a VQ model's single attention head).
+    """
+    import dataclasses
+
+    cls = type(config)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    config.allow_global_per_layer_attribute_access = True  # read-only use of the default
+
+    def field(name: str) -> str | None:
+        # attribute_map points either way: n_layer for num_hidden_layers, or num_experts (the field) for num_local_experts
+        return next((n for n in (cls.attribute_map.get(name, name), name) if n in fields), None)
+
+    def value(name: str):
+        return getattr(config, name, None)
+
+    out = {}
+    for name, size in TINY.items():
+        if (f := field(name)) and isinstance(value(f), int) and not isinstance(value(f), bool):
+            out[f] = size if grow else min(size, value(f))
+    # Sizes models read as is even where the default leaves them None (checkpoints set them)
+    moe = isinstance(value("moe_intermediate_size"), int)
+    for name in ("head_dim", "num_experts_per_tok", "num_local_experts"):
+        if (f := field(name)) and value(f) is None and (moe or name == "head_dim"):
+            out[f] = TINY[name]
+    # MLA expands its latent K/V to every query head: as many K/V heads as heads
+    if "kv_lora_rank" in fields and (heads := field("num_attention_heads")) in out and (kv := field("num_key_value_heads")):
+        out[kv] = out[heads]
+    ties = dict(ties or {})  # (name pattern, real size) -> tiny size
+    for name, pattern in TIED.items():
+        if (f := field(name)) and f in out:
+            ties[pattern, value(f)] = out[f]
+
+    def tie(name: str, size):
+        return next((tiny for (pattern, real), tiny in ties.items() if pattern.search(name) and size == real), size)
+
+    for other in sorted(fields - out.keys()):
+        if type(value(other)) is int and tie(other, value(other)) != value(other):
+            out[other] = tie(other, value(other))
+    hidden = out.get(field("hidden_size") or "")
+    for heads, head_dim, expand in SSM_HEADS:
+        if hidden and {heads, head_dim, expand} <= fields and isinstance(value(expand), int):
+            inner = value(expand) * hidden
+            out[heads] = inner // SSM_HEAD_DIM
+            if isinstance(value(head_dim), int):  # else "auto": derived from the heads
+                out[head_dim] = SSM_HEAD_DIM
+            if isinstance(value("mamba_d_ssm"), int):
+                out["mamba_d_ssm"] = inner
+    depth_field = field("num_hidden_layers")
+    depth = value(depth_field) if depth_field else None
+    lists = {f: value(f) for f in fields if isinstance(value(f), list) and depth and len(value(f)) == depth > 1}
+    if lists:
+        kinds = {f: list(dict.fromkeys(v)) for f, v in lists.items()}
+        layers = min(MAX_LAYERS, max([TINY["num_hidden_layers"]] + [len(k) for f, k in kinds.items() if isinstance(lists[f][0], str)]))
+        out[depth_field] = layers
+        for f, k in kinds.items():
+            out[f] = [TINY[f]] * layers if f in TINY else [tie(f, v) for v in (k * layers)[:layers]]
+    return out
 
 
 def check_one(model_type: str) -> dict:
