@@ -76,6 +76,7 @@ class _Attention:
     drop: fx.Node | None = None  # bool mask applied as scores.masked_fill(drop, very negative)
     bias: list[_Bias] = dataclasses.field(default_factory=list)  # further terms added to the scores
     folded: bool = False  # the output is [B * H, T, D] (torch.bmm), the fused op's is [B, H, T, D]
+    tiles: int = 1  # K/V heads tiled by repeat (head h reads KV head h % H_kv), set with the cache match
 
 
 @dataclasses.dataclass
@@ -95,6 +96,10 @@ class _CacheWrite:
     chain: list[fx.Node]  # view nodes between the cache and attention, nearest to attention first
     # `full[:, :, -(window - 1):]` of a sliding-window layer: what it keeps for later steps
     evictions: list[fx.Node] = dataclasses.field(default_factory=list)
+    reader: fx.Node | None = None  # the node of this site that reads the written cache
+    # Other readers: other sites' readers, or nodes that get the dequantized cache (fp_readers).
+    others: list[fx.Node] = dataclasses.field(default_factory=list)
+    fp_readers: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 def _val(node):
@@ -151,6 +156,8 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         # An fp32 upcast before attention (GPT-Neo): kv4 attention computes in fp32 anyway.
         root, chain = _walk_view_chain(arg.args[0])
         return root, [arg, *chain]
+    if _is_head_tiling(arg):
+        return arg.args[0], [arg]
     if _method_or_function(arg, "reshape"):
         expand = arg.args[0]
         if isinstance(expand, fx.Node) and _method_or_function(expand, "expand"):
@@ -159,6 +166,22 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
                 return insert.args[0], [arg, expand, insert]
         raise NoMatch(f"K/V reach SDPA through reshape {arg.name} that is not the repeat_kv idiom")
     return arg, []
+
+
+def _is_head_tiling(node: fx.Node) -> bool:
+    """``x.repeat(1, n, 1, 1)``: GQA by tiling, query head h reads KV head h % H_kv (JetMoE)."""
+    if not (node.op == "call_method" and node.target == "repeat"):
+        return False
+    sizes = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    return len(sizes) == 4 and sizes[0] == sizes[2] == sizes[3] == 1 and isinstance(sizes[1], int)
+
+
+def _tiles(chain: list[fx.Node]) -> int:
+    for node in chain:
+        if _is_head_tiling(node):
+            sizes = node.args[1] if len(node.args) == 2 else node.args[1:]
+            return sizes[1]
+    return 1
 
 
 def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
@@ -177,17 +200,18 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
         raise NoMatch(f"{role} new tokens {getattr(new, 'name', new)} are not a 4-D [B, H, T, D] tensor")
     if not new_val.dtype.is_floating_point:
         raise NoMatch(f"{role} cache dtype {new_val.dtype} is not floating point")
-    allowed_users = {chain[-1] if chain else reader} | {n for n in root.users if n.op == "output"}
+    site_reader = chain[-1] if chain else reader
     evictions = [n for n in root.users if _is_stored_sequence_slice(n)]
-    others = [n.name for n in root.users if n not in allowed_users and n not in evictions]
-    if others:
-        raise NoMatch(f"{role} cache {root.name} is also read by {', '.join(others)}, which would need it as fp16")
+    others = [n for n in root.users if n is not site_reader and n.op != "output" and n not in evictions]
+    for node in others:
+        if node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_")):
+            raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
     if _is_empty_tensor_ctor(past):
-        return _CacheWrite(root, None, new, chain, evictions)
+        return _CacheWrite(root, None, new, chain, evictions, site_reader, others)
     past_val = _val(past)
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
-    return _CacheWrite(root, past, new, chain, evictions)
+    return _CacheWrite(root, past, new, chain, evictions, site_reader, others)
 
 
 def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _CacheWrite:
@@ -232,7 +256,10 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
         )
 
 
-def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> None:
+def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict) -> None:
+    if write.node in packed_writes:
+        return  # a cache several sites read (differential attention) is packed once
+    _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), {"spec": spec.tag})
@@ -244,6 +271,21 @@ def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -
     for user in list(write.node.users):
         if user.op == "output" or user in write.evictions:
             user.replace_input_with(write.node, packed)
+    packed_writes[write.node] = packed
+
+
+def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
+    """Readers that are no attention site get what HF's cache gave them: the dequantized past
+    and the exact new tokens. This materialises the fp cache for them each step."""
+    if not write.fp_readers:
+        return
+    full = write.new
+    if write.past is not None:
+        with graph.inserting_before(write.node):
+            past = graph.call_method("dequantize", (write.past,))
+            full = graph.call_function(torch.cat, ([past, write.new],), {"dim": -2})
+    for user in write.fp_readers:
+        user.replace_input_with(write.node, full)
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
@@ -529,11 +571,42 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
     v = _cache_write(attn.value, attn.value_reader, "V")
     if (k.past is None) != (v.past is None) or _is_static(k) != _is_static(v):
         raise NoMatch("K and V caches are in different states (one empty or static, the other not)")
+    attn.tiles = _tiles(k.chain)
+    if attn.tiles != _tiles(v.chain):
+        raise NoMatch(f"K is tiled {attn.tiles} times over the heads and V {_tiles(v.chain)} times")
+    if attn.tiles > 1:
+        _check_tiled_masks(attn)
     if _is_static(k):
+        if attn.tiles > 1:
+            raise NoMatch("a static cache read with heads tiled by repeat")
         return k, v  # the buffers' own specs apply; they were chosen when they were allocated
     _check_packable(k, config.k, "K")
     _check_packable(v, config.v, "V")
     return k, v
+
+
+def _check_tiled_masks(attn: _Attention) -> None:
+    """Tiled heads are permuted into grouped order around the op; a per-head mask would need it too."""
+    masks = [attn.attn_mask, attn.keep, attn.drop] + [term.node for term in attn.bias]
+    for mask in masks:
+        val = _val(mask)
+        if mask is None or (val is not None and (val.dim() < 4 or _known(val.shape[-3] == 1))):
+            continue
+        name = getattr(mask, "name", mask)
+        raise NoMatch(f"heads are tiled by repeat and mask {name} is not one mask for every head")
+    if any(term.folded for term in attn.bias):
+        raise NoMatch("heads are tiled by repeat and a bias is added per head on folded heads")
+
+
+def _grouped_heads(graph: fx.Graph, x: fx.Node, tiles: int) -> fx.Node:
+    """Head ``r * H_kv + g`` (tiled order) to ``g * tiles + r`` (grouped order, what the op reads)."""
+    x = graph.call_method("unflatten", (x, 1, (tiles, -1)))
+    return graph.call_method("flatten", (graph.call_method("transpose", (x, 1, 2)), 1, 2))
+
+
+def _tiled_heads(graph: fx.Graph, x: fx.Node, tiles: int) -> fx.Node:
+    x = graph.call_method("unflatten", (x, 1, (-1, tiles)))
+    return graph.call_method("flatten", (graph.call_method("transpose", (x, 1, 2)), 1, 2))
 
 
 def _copy_meta(src: fx.Node, dst: fx.Node):
@@ -596,11 +669,13 @@ def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _
     return "static"
 
 
-def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> str:
+def _rewrite_site(
+    graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites
+) -> str:
     if _is_static(k):
         return _rewrite_static_site(graph, attn, k, v, config)
     for write, spec in ((k, config.k), (v, config.v)):
-        _replace_cache_write(graph, write, spec)
+        _replace_cache_write(graph, write, spec, shared.packed)
     prefill = k.past is None
     if prefill:
         # Attention over an empty past is attention over the new tokens, kept exact.
@@ -609,23 +684,37 @@ def _rewrite_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
     else:
         _build_mask(graph, attn)
         with graph.inserting_before(attn.output):
+            query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
             fused = graph.call_function(
                 graph_ops.kv4_sdpa,
-                (attn.query, k.past, k.new, v.past, v.new),
+                (query, k.past, k.new, v.past, v.new),
                 {
                     "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
                     "k_spec": config.k.tag, "v_spec": config.v.tag,
                     **({"softcap": attn.softcap} if attn.softcap else {}),
                 },
             )  # fmt: skip
+            if attn.tiles > 1:
+                fused = _tiled_heads(graph, fused, attn.tiles)
         _replace_output(graph, attn, fused)
         _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
     for write in (k, v):
+        shared.pending[write.node] -= 1
+        if shared.pending[write.node]:
+            continue  # another site still reads this cache write
         past_ctor = write.node.args[0][0]
         _erase_if_dead(graph, [write.node])
         if write.past is None:
             _erase_if_dead(graph, [past_ctor])
     return "prefill" if prefill else "decode"
+
+
+@dataclasses.dataclass
+class _SharedWrites:
+    """Cache writes several sites read: packed once, erased after the last of them."""
+
+    packed: dict = dataclasses.field(default_factory=dict)  # cat node -> its kv4_pack / kv4_append
+    pending: Counter = dataclasses.field(default_factory=Counter)  # cat node -> sites not rewritten yet
 
 
 def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
@@ -634,20 +723,33 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     candidates = [(node, form) for form, (find, _) in ATTENTION_FORMS.items() for node in find(graph)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])
-    reports = []
+    reports, matched = [], []
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
         try:
             attn = ATTENTION_FORMS[form][1](node)
-            k, v = _match_cache(attn, config)
+            matched.append((index, module, form, attn, *_match_cache(attn, config)))
         except NoMatch as why:
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
             log.debug("kvpass: site %d (%s, %s) left fp16: %s", index, module, form, why)
             counters["site_left_fp16"] += 1
-            continue
-        phase = _rewrite_site(graph, attn, k, v, config)
-        reports.append(SiteReport(index, module, form, phase, True))
+    # Match every site before rewriting any: a cache write may be read by several of them.
+    shared, site_readers = _SharedWrites(), {}
+    for *_, k, v in matched:
+        for write in (k, v):
+            shared.pending[write.node] += 1
+            site_readers.setdefault(write.node, set()).add(write.reader)
+    for index, module, form, attn, k, v in matched:
+        notes = []
+        for write, role in ((k, "K"), (v, "V")):
+            write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]
+            if write.fp_readers:
+                names = ", ".join(n.name for n in write.fp_readers)
+                notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
+        phase = _rewrite_site(graph, attn, k, v, config, shared)
+        reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
+    reports.sort(key=lambda r: r.index)
     graph.lint()
     gm.recompile()
     return reports
