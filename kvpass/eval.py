@@ -100,10 +100,12 @@ class Method:
         return "unquantized"
 
     def fp16_ratio(self, stored: int, head_dim: int) -> float | None:
-        """Bytes of a ``stored``-token cache as kv4 would store it (fp tokens in fp16) over fp16."""
+        """Bytes of a cache as kv4 would store it (fp tokens in fp16) over fp16, at the worst
+        point of the flush cycle from ``stored`` tokens on (the fp window at its fullest)."""
         if self.kind not in ("kv4", "sim"):
             return None
-        return self.fp_tokens.fp16_ratio(stored, *self.specs, head_dim)
+        f = self.fp_tokens
+        return max(f.fp16_ratio(n, *self.specs, head_dim) for n in range(stored, stored + f.flush))
 
 
 def parse_method(name: str) -> Method:

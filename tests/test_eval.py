@@ -159,6 +159,8 @@ def test_window_longer_than_the_text_is_the_fp_baseline(model):
 
 
 def test_fp_token_method_names_and_bytes():
+    from kvpass.simulate import FpTokens
+
     m = kv_eval.parse_method("sim-kv4-rot-g32-k8-asym-w64-s4")
     k, v = m.specs
     assert (k.bits, v.bits, k.group, k.symmetric) == (8, 4, 32, False)
@@ -166,7 +168,11 @@ def test_fp_token_method_names_and_bytes():
     assert kv_eval.parse_method("sim-kv4-rot-w32-f16").fp_tokens.flush == 16
     assert kv_eval.parse_method("kv4-rot").fp16_ratio(4096, 64) == 34 / 128  # 4 bits + an fp16 scale per 64
     # 4096 tokens: 4 sinks, 4092 - 64 = 4028 = 62 * 64 + 60 quantized in whole blocks, 124 fp.
+    rot_k, rot_v = kv_eval.parse_method("kv4-rot").specs
+    exact = FpTokens(4, 64, 64).fp16_ratio(4096, rot_k, rot_v, 64)
+    assert exact == pytest.approx((128 * 128 + 3968 * 34) / (4096 * 128))
+    # The reported ratio is the worst of the flush cycle: 4 + 127 fp tokens at 4099 stored.
     ratio = kv_eval.parse_method("sim-kv4-rot-w64-s4").fp16_ratio(4096, 64)
-    assert ratio == pytest.approx((128 * 128 + 3968 * 34) / (4096 * 128))
+    assert ratio == pytest.approx((131 * 128 + 3968 * 34) / (4099 * 128))
     with pytest.raises(ValueError):
         kv_eval.parse_method("kv4-rot-w64")  # the real backend has no fp window
