@@ -322,10 +322,11 @@ def attention(
     ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA). ``attn_mask`` broadcasts to
     ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
     top-left causal mask over the ``P + T_new`` keys. A row whose keys are all masked is
-    zero, as in torch's SDPA. A block of the past that the mask (with ``is_causal``) excludes
-for every row is skipped, never read: a static cache's unwritten tail. ``softcap > 0`` caps scaled scores to
+    zero, as in torch's SDPA. ``softcap > 0`` caps scaled scores to
     ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). The past is dequantized one block of
-    tokens at a time with an online softmax, so memory is O(block), not O(P).
+    tokens at a time with an online softmax, so memory is O(block), not O(P). A block that the mask (with
+    ``is_causal``) excludes for every row is never read, so a static cache's unwritten tail costs nothing and a
+    poisoned (NaN) group there stays unseen.
     """
     B, Hq, T, D = q.shape
     Hkv, Dv = v_new.shape[1], v_new.shape[-1]
@@ -372,7 +373,7 @@ for every row is skipped, never read: a static cache's unwritten tail. ``softcap
 
     def attended(start, stop):
         # Host-side, so only for a CPU mask: elsewhere (CUDA without Triton) deciding would
-        # sync, which CUDA graphs forbid, and reading the block gives the same numbers.
+        # sync, which CUDA graphs forbid; reading the block gives the same numbers (bar NaN poison).
         if is_causal and start >= T:
             return False
         if attn_mask is None or attn_mask.device.type != "cpu":
