@@ -32,11 +32,28 @@ TINY = {
     "num_key_value_heads": 2,
     "head_dim": 32,
     "vocab_size": 256,
+    "unpadded_vocab_size": 256,
     "max_position_embeddings": 1024,
     "sliding_window": 32,
+    # encoder-decoder (BART family) names
+    "decoder_layers": 2,
+    "encoder_layers": 2,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "num_decoder_layers": 2,
+    "num_encoder_layers": 2,
+    "num_decoder_attention_heads": 4,
+    "num_encoder_attention_heads": 4,
     "num_local_experts": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "moe_topk": 2,
+    "zero_expert_num": 2,
+    "ffn_hidden_size": 128,
+    "expert_ffn_hidden_size": 32,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 32,
     "n_group": 1,
@@ -94,6 +111,18 @@ QWEN4_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32
 DOTS3_TEXT = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 64,
               "swa_kv_lora_rank": 32, "swa_head_dim": 48, "swa_qk_nope_head_dim": 32, "swa_v_head_dim": 32}  # fmt: skip
 PROMPT_TOKENS = 70
+# Types this check cannot run at all, and why (the row says so instead of a misleading error).
+ASSISTANT = "a draft model: every layer reads the K/V its target model shares, it has no cache of its own to generate alone"
+MUSICGEN = ("an audio-codebook LM: its own generate() needs a checkpoint's generation config (decoder start token, "
+            "codebook delay pattern), which the default config does not carry")
+CANNOT_RUN = {
+    "gemma4_assistant": ASSISTANT,
+    "gemma4_unified_assistant": ASSISTANT,
+    "musicgen": MUSICGEN,
+    "musicgen_melody": MUSICGEN,
+    "minimax": "MiniMax accepts only its own MiniMaxCache (not compilable: _can_compile_fullgraph=False); "
+    "this check drives a DynamicCache",
+}
 
 # Values no generic rule can derive, by model type; each says why.
 PER_TYPE: dict[str, dict] = {
@@ -111,6 +140,10 @@ PER_TYPE: dict[str, dict] = {
     # KV sharing over the last 15 of 35 layers needs more layers than the tiny depth has
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "gemma3n": {"text_config": {"num_kv_shared_layers": 0}},
+    # the LM head model must be a decoder; axial positions must multiply to the positions and add up to the width
+    "reformer": {"is_decoder": True, "axial_pos_shape": [32, 32], "axial_pos_embds_dim": [64, 64]},
+    # the default config names no language for its per-language adapters
+    "xmod": {"default_language": "en_XX"},
     # the default config has no layer_types, which the model indexes
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # the default config leaves the QSA indexer of its indexed_attention layers unset
@@ -201,12 +234,15 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
             out[f] = size if grow else min(size, value(f))
     # Sizes models read as is even where the default leaves them None (checkpoints set them)
     moe = isinstance(value("moe_intermediate_size"), int)
-    for name in ("head_dim", "num_experts_per_tok", "num_local_experts"):
-        if (f := field(name)) and value(f) is None and (moe or name == "head_dim"):
+    for name in ("head_dim", "num_key_value_heads", "num_experts_per_tok", "num_local_experts"):
+        if (f := field(name)) and value(f) is None and (moe or "expert" not in name):
             out[f] = TINY[name]
     # MLA expands its latent K/V to every query head: as many K/V heads as heads
     if "kv_lora_rank" in fields and (heads := field("num_attention_heads")) in out and (kv := field("num_key_value_heads")):
         out[kv] = out[heads]
+        # and some read the rotary width from head_dim where the real config has it equal to qk_rope_head_dim
+        if (f := field("head_dim")) and "qk_rope_head_dim" in out and value(f) == value("qk_rope_head_dim"):
+            out[f] = out["qk_rope_head_dim"]
     ties = dict(ties or {})  # (name pattern, real size) -> tiny size
     for name, pattern in TIED.items():
         if (f := field(name)) and f in out:
@@ -250,10 +286,16 @@ def check_one(model_type: str) -> dict:
     from kvpass.simulate import SimulatedKVCache
 
     row = {"model_type": model_type}
+    if model_type in CANNOT_RUN:
+        return {**row, "status": "cannot run", "reason": CANNOT_RUN[model_type]}
     try:
         config = tiny_config(model_type)
+        # the causal-LM class may take only the decoder part of a composite config (musicgen)
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        if not isinstance(config, model_class.config_class):
+            config = config.get_text_config(decoder=True)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = model_class._from_config(config).eval()
     except Exception as err:  # noqa: BLE001 - any failure is this row's finding
         return {**row, "status": "no tiny model", "reason": _short(err)}
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
@@ -311,7 +353,8 @@ def check_one(model_type: str) -> dict:
 
 
 def _short(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")  # ImportError text starts blank
+    return f"{type(err).__name__}: {first[:200]}"
 
 
 def _run_isolated(model_type: str, timeout: float) -> dict:
