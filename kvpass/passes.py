@@ -1,19 +1,38 @@
 """Find attention sites in Dynamo's torch-level FX graphs and rewrite them to kv4 ops.
 
 A site is an attention computation whose K and V lead back, through the view chain of
-``repeat_kv`` at most, to a cache write. Accepted node shapes:
+``repeat_kv`` at most, to a cache write. Accepted node shapes (forms in ``ATTENTION_FORMS``):
 
-* attention: SDPA with ``dropout_p == 0`` and any ``attn_mask``, ``is_causal``, ``scale``;
-  or the eager form ``matmul(q, k^T) * scale [-> cap * tanh(s / cap)] [+ mask] -> softmax
-  -> [to] -> [dropout(p=0)] -> matmul(., v)``;
+* ``sdpa``: SDPA with ``dropout_p == 0`` and any ``attn_mask``, ``is_causal``, ``scale``;
+* ``eager``: ``scores -> softmax -> [to / type_as / view] -> [dropout(p=0)] -> matmul(., v)``;
+* ``bmm``: the same over heads folded into the batch, ``probs [B * H, T, S]`` ->
+  ``bmm(., v.reshape(B * H, S, D))`` (XGLM, TrOCR, MVP, BLOOM); the fused op's
+  ``[B, H, T, D]`` output is flattened back;
+* scores, read back from the softmax input in this order (each step optional):
+  masking (``+ term`` any number of times, ``torch.where(keep, s, -big)``,
+  ``s.masked_fill(drop, -big)``, ``torch.max(s, -big)``), then ``cap * tanh(s / cap)``, then
+  ``* scale`` or ``/ scale`` by a number, ending at ``matmul(q, k.transpose(-2, -1))``, or at
+  ``bmm(q3, k3.transpose(1, 2))`` / ``baddbmm(input, q3, k3^T, beta=, alpha=)`` where
+  ``q3``/``k3`` are ``[B, H, S, D] -> [B * H, S, D]`` reshapes (``alpha`` is the scale,
+  ``beta * input`` a term unless ``input`` is ``torch.zeros``). Views that keep the key
+  dimension and fp32 casts may sit anywhere. Terms are summed into one additive mask
+  (a 3-D per-head term is unflattened to ``[B, H, T, S]``), bool masks become ``-inf``
+  there; "-big" is a constant <= -1e4 (``finfo.min``), so only rows with every key masked
+  differ (kv4 gives zeros);
 * cache write: ``torch.cat([past, new], dim=-2 or 2)``, ``past`` being
   ``torch.tensor([])`` (the prefill graph of a ``DynamicCache``), a PackedKV placeholder
   (decode graphs) or a plain ``[B, H, S, D]`` float tensor (a cache filled elsewhere); or
   ``buffer.index_copy_(2, positions, new)`` into a PackedKV placeholder (``StaticKVCache``);
-* view chain: nothing (SDPA with or without ``enable_gqa``), or ``x[:, :, None]`` ->
-  ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant;
-* besides attention the written cache may only be returned (the cache object keeps it)
-  or sliced along the sequence and returned (a sliding-window layer's eviction).
+* view chain: nothing (SDPA with or without ``enable_gqa``), ``x[:, :, None]`` ->
+  ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant, or
+  ``x.repeat(1, n, 1, 1)`` (JetMoE: query head h reads KV head h % H_kv), for which the
+  query heads are permuted into grouped order around the op (masks must be shared by all heads);
+* besides attention the written cache may be returned (the cache object keeps it), sliced
+  along the sequence and returned (a sliding-window layer's eviction), read by other
+  sites (differential attention: packed once, each site reads the packed past), or read
+  by any other node that does not write into it (Doge's dynamic mask), which is given
+  ``cat([past.dequantize(), new])``: what HF's cache would give it, at the cost of an fp
+  copy of the cache per step (noted in the site report).
 
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
@@ -746,6 +765,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             if write.fp_readers:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
+                log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
         phase = _rewrite_site(graph, attn, k, v, config, shared)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1

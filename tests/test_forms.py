@@ -1,0 +1,97 @@
+"""One tiny real transformers model per attention form the pass accepts beyond plain SDPA.
+
+Each compiles with kv4, prefills, decodes one token and compares the logits with the eager
+model reading the same quantized past (:class:`kvpass.simulate.SimulatedKVCache`).
+Batch 2, so folding heads into the batch (``[B * H, T, D]``) is checked in the right order.
+"""
+
+import re
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import kvpass
+from kvpass.packed import PackedKV
+from kvpass.simulate import SimulatedKVCache
+
+COMMON = {"vocab_size": 256, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": 1}
+
+# model type -> (config class, sizes, forms its sites are found as)
+MODELS = {
+    # torch.bmm over [B * H, T, D], mask added on a 4-D view, clamped at finfo.min
+    "xglm": ("XGLMConfig", {"d_model": 64, "num_layers": 2, "attention_heads": 4, "ffn_dim": 64}, {"bmm"}),
+    # ALiBi as baddbmm's input, alpha as the scale
+    "bloom": ("BloomConfig", {"hidden_size": 64, "n_layer": 2, "n_head": 4}, {"bmm"}),
+    # baddbmm over a zeros input on folded heads, probs @ V back in 4-D
+    "gpt_neox_japanese": (
+        "GPTNeoXJapaneseConfig",
+        {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_multiple_size": 1},
+        {"eager"},
+    ),
+    # scores + ALiBi position bias, masked_fill(causal, finfo.min), .float() before softmax
+    "mpt": ("MptConfig", {"d_model": 64, "n_layers": 2, "n_heads": 4, "expansion_ratio": 1}, {"eager"}),
+    # keys.repeat(1, top_k, 1, 1): query head h reads KV head h % H_kv
+    "jetmoe": (
+        "JetMoeConfig",
+        {
+            "hidden_size": 64, "num_hidden_layers": 2, "num_key_value_heads": 2, "kv_channels": 16,
+            "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        },
+        {"sdpa"},
+    ),  # fmt: skip
+    # V cache also read by dt_proj (its dynamic mask), which gets the dequantized cache
+    "doge": (
+        "DogeConfig",
+        {
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        },
+        {"sdpa"},
+    ),  # fmt: skip
+}
+
+
+def _model(name):
+    config_class, sizes, _ = MODELS[name]
+    config = getattr(transformers, config_class)(**COMMON, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.no_grad()
+def test_form_rewritten_and_matches_reference(name):
+    torch._dynamo.reset()
+    model = _model(name)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    nxt = torch.randint(3, 256, (2, 1), generator=torch.Generator().manual_seed(1))
+    # Row 1 is left-padded, so the decode step's mask hides keys (a dropped mask shows).
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0
+    inputs = [{"input_ids": ids, "attention_mask": mask}, {"input_ids": nxt, "attention_mask": torch.cat([mask, mask[:, :1]], 1)}]
+    backend = kvpass.kv4()
+    # JetMoE's deprecation wrappers share one code object and use up the default limit of 8,
+    # after which the decode step would run uncompiled.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        step = torch.compile(model, backend=backend)
+        cache = DynamicCache(config=model.config)
+        step(**inputs[0], past_key_values=cache, use_cache=True)
+        got = step(**inputs[1], past_key_values=cache, use_cache=True).logits
+
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten for site in sites), [site.reason for site in sites if not site.rewritten]
+    assert {site.form for site in sites} == MODELS[name][2]
+    layers = model.config.num_hidden_layers
+    assert [site.phase for site in sites].count("decode") == layers
+    assert all(isinstance(t, PackedKV) for layer in cache.layers for t in (layer.keys, layer.values))
+    # No fp concatenation of the cache is left: every reader reads the packed past.
+    assert not any(re.search(r"torch\.cat\(\[\w*layers_\d+_(keys|values)", graph.after) for graph in backend.graphs)
+
+    config = backend.config
+    reference = SimulatedKVCache(model.config, config.k, config.v)
+    model(**inputs[0], past_key_values=reference, use_cache=True)
+    expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
