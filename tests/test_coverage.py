@@ -1,0 +1,82 @@
+"""The support matrix's tiny-config builder: shrunk configs stay consistent (no full matrix run here)."""
+
+import pytest
+import torch
+
+from kvpass.coverage import check_one, tiny_config
+
+
+def test_mla_dims_follow_each_other():
+    config = tiny_config("deepseek_v3")
+    assert config.hidden_size == 128 and config.num_hidden_layers == 2
+    assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim  # derived by the constructor
+    assert config.head_dim == config.qk_rope_head_dim  # DeepSeek's rotary width
+    assert config.num_key_value_heads == config.num_attention_heads  # latent K/V expanded to every head
+    assert config.v_head_dim != config.qk_head_dim  # K and V head dims stay unequal, as in the real model
+    assert config.n_routed_experts % config.n_group == 0
+
+
+def test_head_dim_equal_to_the_rope_dim_stays_equal():
+    config = tiny_config("longcat_flash")
+    assert config.head_dim == config.qk_rope_head_dim == 16
+
+
+def test_property_without_setter_is_derived_not_set():
+    config = tiny_config("falcon")
+    assert config.head_dim == config.hidden_size // config.num_attention_heads == 32
+
+
+def test_partial_rotary_dim_fits_the_head():
+    config = tiny_config("codegen")
+    assert config.rotary_dim < config.n_embd // config.n_head
+
+
+def test_per_layer_lists_match_the_depth_and_keep_every_kind():
+    config = tiny_config("kimi_linear")
+    assert len(config.layer_types) == len(config.mlp_layer_types) == config.num_hidden_layers
+    assert set(config.layer_types) == {"linear_attention", "full_attention"}
+    assert set(config.mlp_layer_types) == {"dense", "sparse"}
+
+
+def test_ssm_heads_times_head_dim_is_the_inner_width():
+    config = tiny_config("mamba2")
+    assert config.num_heads * config.head_dim == config.expand * config.hidden_size
+
+
+def test_sub_configs_shrink_and_keep_their_ties_to_the_text_model():
+    config = tiny_config("dots3_note")
+    assert config.text_config.hidden_size == config.vision_config.hidden_size == 128
+    assert config.vision_config.adapter_out_dim == config.text_config.hidden_size
+
+
+def test_nested_attention_config_gets_what_the_model_reads():
+    config = tiny_config("dbrx")
+    assert config.attn_config.rope_theta > 0 and config.attn_config.kv_n_heads == 2
+    assert config.ffn_config.moe_num_experts == 4
+
+
+def test_encoder_decoder_config_shrinks_its_decoder():
+    config = tiny_config("blenderbot")
+    assert config.decoder_layers == config.encoder_layers == 2 and config.d_model == 128
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "falcon", "gptj"])
+def test_fixed_types_generate_eagerly(model_type):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 14)
+
+
+def test_types_that_cannot_run_get_a_named_reason():
+    row = check_one("gemma4_assistant")
+    assert row["status"] == "cannot run" and "target model" in row["reason"]
+
+
+def test_unknown_model_type_is_named():
+    with pytest.raises(ValueError, match="unknown model type 'llama9'"):
+        tiny_config("llama9")
