@@ -144,6 +144,8 @@ PER_TYPE: dict[str, dict] = {
     "reformer": {"is_decoder": True, "axial_pos_shape": [32, 32], "axial_pos_embds_dim": [64, 64]},
     # the default config names no language for its per-language adapters
     "xmod": {"default_language": "en_XX"},
+    # the shared transformer block of the first hybrid layer is tied to later ones: two hybrid layers
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
     # the default config has no layer_types, which the model indexes
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # the default config leaves the QSA indexer of its indexed_attention layers unset
