@@ -95,6 +95,9 @@ TIED = {
     "num_key_value_heads": re.compile(r"key_value_heads|kv_heads"),
     "num_hidden_layers": re.compile(r"layers"),
 }
+# Sizes models read as is where the default config leaves them None (checkpoints set them);
+# the expert ones only in MoE configs.
+UNSET = {"head_dim": 32, "num_key_value_heads": 2, "num_experts_per_tok": 2, "num_local_experts": 4, "n_shared_experts": 1}
 # (heads, head dim, expand) fields of SSM mixers, whose heads x head dim must equal expand x hidden.
 SSM_HEADS = (
     ("num_heads", "head_dim", "expand"),
@@ -133,7 +136,8 @@ PER_TYPE: dict[str, dict] = {
     "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_output_layers": 1,
              "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},  # fmt: skip
     # DbrxAttentionConfig declares no rope_theta, which the model reads (checkpoints carry it)
-    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0},
+    # and its default clip_qkv=None makes the model call clamp() with no bounds (checkpoints clip at 8)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}},  # fmt: skip
     # the default config has no RoPE parameters for its layer types
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
@@ -234,11 +238,10 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
     for name, size in TINY.items():
         if (f := field(name)) and isinstance(value(f), int) and not isinstance(value(f), bool):
             out[f] = size if grow else min(size, value(f))
-    # Sizes models read as is even where the default leaves them None (checkpoints set them)
     moe = isinstance(value("moe_intermediate_size"), int)
-    for name in ("head_dim", "num_key_value_heads", "num_experts_per_tok", "num_local_experts"):
+    for name, size in UNSET.items():
         if (f := field(name)) and value(f) is None and (moe or "expert" not in name):
-            out[f] = TINY[name]
+            out[f] = size
     # MLA expands its latent K/V to every query head: as many K/V heads as heads
     if "kv_lora_rank" in fields and (heads := field("num_attention_heads")) in out and (kv := field("num_key_value_heads")):
         out[kv] = out[heads]
@@ -396,8 +399,8 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
         "# Support matrix",
         "",
         f"Made by `{command}` with torch {torch.__version__} and transformers {transformers.__version__}.",
-        "Each model type's default config shrunk to 2 layers (hidden 128, head_dim 32 where the",
-        f"config has these), a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
+        "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
+        f"hidden 128, head_dim 32 where the config has these), a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
         "reading the same quantized past (`logits error`, max abs); `bytes` is stored / fp16 bytes of",
         "the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
