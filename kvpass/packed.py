@@ -149,6 +149,15 @@ class PackedKV(torch.Tensor):
         """Bytes allocated for this cache: :meth:`stored_bytes` plus the rows kept for growth."""
         return sum(t.untyped_storage().nbytes() for t in (self.codes, self.scales, self.residual))
 
+    def __getitem__(self, index):
+        result = super().__getitem__(index)
+        if isinstance(result, PackedKV) and result._is_view() and type(result.codes) is torch.Tensor:
+            # A crop outside graphs (DynamicCache.crop) must not stay an autograd view of the
+            # longer cache: Dynamo would rebuild it from that base by replaying the slice, whose
+            # length is a constant, and compile a graph per length (assisted decoding).
+            return PackedKV(result.codes, result.scales, result.residual, result.spec)
+        return result
+
     def __repr__(self):
         return (
             f"PackedKV(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.bits}-bit {self.spec.scheme} "
