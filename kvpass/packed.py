@@ -317,6 +317,20 @@ def _index_copy_impl(func, args, kwargs):
     return t
 
 
+@_implements(aten.copy_.default)
+def _copy_impl(func, args, kwargs):
+    dst, src = args[:2]
+    if not (isinstance(dst, PackedKV) and isinstance(src, PackedKV)) or dst.spec != src.spec:
+        return NotImplemented
+    if any(getattr(dst, n).shape != getattr(src, n).shape for n in ("codes", "scales", "residual")):
+        return NotImplemented
+    # AOTAutograd writes a mutated cache input back with copy_ (static caches after
+    # kv4::write_); copying the stored form keeps that write exact and functional.
+    for name in ("codes", "scales", "residual"):
+        getattr(dst, name).copy_(getattr(src, name))
+    return dst
+
+
 @_implements(aten.index_select.default)
 def _index_select_impl(func, args, kwargs):
     t, dim, index = args

@@ -225,3 +225,12 @@ def test_compiled_decode_appends_in_place():
     torch._dynamo.reset()
     assert isinstance(cache.layers[0].keys, PackedKV) and cache.layers[0].keys.shape[2] == 32
     assert len(storages) == 1  # every decode step wrote into the prefill's storage
+
+
+def test_copy_between_packed_caches_copies_the_stored_form(spec):
+    x, p = _packed(spec)
+    target = PackedKV.from_float(torch.zeros_like(x), spec)
+    target.copy_(p)
+    assert isinstance(target, PackedKV)
+    for name in ("codes", "scales", "residual"):
+        assert torch.equal(getattr(target, name), getattr(p, name))

@@ -1,6 +1,5 @@
 """Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
 
-import pytest
 import torch
 from transformers import StaticCache
 from transformers.generation import CompileConfig
@@ -148,11 +147,6 @@ def test_opted_in_model_converts_an_early_initialized_empty_static_cache():
     assert keys.dequantize()[:, :, :30].abs().max() > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PackedKV has no native copy_: AOTAutograd writes the buffers kv4::write_ mutated back with "
-    "copy_ on the subclass, whose dequantizing fallback is not a functional graph (kvpass/packed.py)",
-)
 def test_static_decode_compiles_through_aot_autograd():
     """aot_eager stands for inductor and reduce-overhead here: all three go through AOTAutograd."""
     torch._dynamo.reset()
