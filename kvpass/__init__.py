@@ -8,13 +8,13 @@ from kvpass.backend import default_backend, kv4
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
-__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "kv4"]
+__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "int4_static_caches", "kv4"]
 
 
 def __getattr__(name):
     # kvpass.static imports transformers' cache classes; only pay for that when asked.
-    if name == "StaticKVCache":
-        from kvpass.static import StaticKVCache
+    if name in ("StaticKVCache", "int4_static_caches"):
+        from kvpass import static
 
-        return StaticKVCache
+        return getattr(static, name)
     raise AttributeError(f"module 'kvpass' has no attribute {name!r}")
