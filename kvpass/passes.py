@@ -8,7 +8,11 @@ A site is an attention computation whose K and V lead back, through the view cha
 * ``bmm``: the same over heads folded into the batch, ``probs [B * H, T, S]`` ->
   ``bmm(., v.reshape(B * H, S, D))`` (XGLM, TrOCR, MVP, BLOOM); the fused op's
   ``[B, H, T, D]`` output is flattened back;
-* scores, read back from the softmax input in this order (each step optional):
+* attention sinks (GPT-OSS, MiMo): ``cat([scores, sink], -1) [- its row max] -> softmax ->
+  probs[..., :-1]`` with ``sink [B, H, T, 1]`` and a mask present; the sink becomes one more
+  new token whose key and value are zero and whose mask column is the sink logit. A row-max
+  shift alone is dropped too (it changes no softmax);
+* scores, read back from the softmax input (past any sink) in this order (each step optional):
   masking (``+ term`` any number of times, ``torch.where(keep, s, -big)``,
   ``s.masked_fill(drop, -big)``, ``torch.max(s, -big)``), then ``cap * tanh(s / cap)``, then
   ``* scale`` or ``/ scale`` by a number, ending at ``matmul(q, k.transpose(-2, -1))``, or at
@@ -96,6 +100,7 @@ class _Attention:
     bias: list[_Bias] = dataclasses.field(default_factory=list)  # further terms added to the scores
     folded: bool = False  # the output is [B * H, T, D] (torch.bmm), the fused op's is [B, H, T, D]
     tiles: int = 1  # K/V heads tiled by repeat (head h reads KV head h % H_kv), set with the cache match
+    sink: fx.Node | None = None  # [B, H, T, 1]: one more logit per row whose value is zero
 
 
 @dataclasses.dataclass
@@ -373,6 +378,7 @@ def _probs_consumer(softmax: fx.Node, targets):
             _is_call(user, (torch.nn.functional.dropout,), "to")
             or user.target in ("type", "type_as", "contiguous")
             or (_is_reshape(user) and _keeps_key_dim(user))
+            or _is_sink_drop(user)
         ):
             node = user
             passed.append(user)
@@ -381,6 +387,46 @@ def _probs_consumer(softmax: fx.Node, targets):
             return user, passed
         return None
     return None
+
+
+def _is_sink_drop(node) -> bool:
+    """``probs[..., :-1]``: the attention-sink column dropped after softmax (GPT-OSS, MiMo)."""
+    return (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem
+        and node.args[1] == (Ellipsis, slice(None, -1, None))
+    )  # fmt: skip
+
+
+def _peel_sink(node: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node | None]:
+    """``cat([s, sink], -1) - max(., -1, keepdim=True).values`` before softmax: ``(s, sink)``.
+
+    Subtracting the row max changes no softmax; the sink is one more logit per head.
+    """
+    while _is_fp32_cast(node):
+        nodes.append(node)
+        node = node.args[0]
+    if _is_call(node, (operator.sub,)) and len(node.args) == 2:
+        shifted, row_max = node.args
+        values = row_max.args[0] if _is_call(row_max, (operator.getitem,)) and row_max.args[1] == 0 else None
+        if values is not None and _is_row_max(values, shifted):
+            nodes += [node, row_max, values]
+            node = shifted
+    sink = None
+    if _is_call(node, (torch.cat,)) and len(node.args[0]) == 2 and (node.args[1:] or (node.kwargs.get("dim"),))[0] in (-1, 3):
+        nodes.append(node)
+        node, sink = node.args[0]
+        sink_val = _val(sink)
+        if sink_val is None or sink_val.dim() != 4 or not _known(sink_val.shape[-1] == 1):
+            raise NoMatch(f"scores are concatenated with {getattr(sink, 'name', sink)}, not one sink logit per row")
+    return node, sink
+
+
+def _is_row_max(node, of: fx.Node) -> bool:
+    if not (_is_call(node, (torch.max,), "max") and node.args[0] is of):
+        return False
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+    return dim in (-1, 3) and keepdim is True
 
 
 def _number(x):
@@ -538,17 +584,23 @@ def _match_eager(softmax: fx.Node) -> _Attention:
             training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
             if p != 0.0 and training:
                 raise NoMatch(f"attention dropout p={p} in training mode (only inference attention is rewritten)")
-    scores = _walk_scores(softmax.args[0])
+    sink_nodes = []
+    scores_input, sink = _peel_sink(softmax.args[0], sink_nodes)
+    if (sink is None) != (not any(_is_sink_drop(n) for n in probs_nodes)):
+        raise NoMatch(f"the softmax input of {out.name} and its probs disagree on an attention-sink column")
+    scores = _walk_scores(scores_input)
+    if sink is not None and not (scores.bias or scores.keep is not None or scores.drop is not None):
+        raise NoMatch(f"attention sink {sink.name} with no mask to carry it")
     value, value_reader, nodes = out.args[1], out, [out]
     if out.target is torch.bmm:
         value = _folded_heads(value, "V")
         value_reader = out.args[1]
         nodes.append(value_reader)
-    nodes += [*reversed(probs_nodes), *scores.nodes]
+    nodes += [*reversed(probs_nodes), *sink_nodes, *scores.nodes]
     return _Attention(
         out, nodes, scores.query, scores.key, scores.key_reader, value, value_reader, None, scale=scores.scale,
         is_causal=False, softcap=scores.softcap, keep=scores.keep, drop=scores.drop, bias=scores.bias,
-        folded=out.target is torch.bmm,
+        folded=out.target is torch.bmm, sink=sink,
     )  # fmt: skip
 
 
@@ -596,8 +648,8 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
     if attn.tiles > 1:
         _check_tiled_masks(attn)
     if _is_static(k):
-        if attn.tiles > 1:
-            raise NoMatch("a static cache read with heads tiled by repeat")
+        if attn.tiles > 1 or attn.sink is not None:
+            raise NoMatch("a static cache read with heads tiled by repeat or with an attention sink")
         return k, v  # the buffers' own specs apply; they were chosen when they were allocated
     _check_packable(k, config.k, "K")
     _check_packable(v, config.v, "V")
@@ -606,7 +658,7 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
 
 def _check_tiled_masks(attn: _Attention) -> None:
     """Tiled heads are permuted into grouped order around the op; a per-head mask would need it too."""
-    masks = [attn.attn_mask, attn.keep, attn.drop] + [term.node for term in attn.bias]
+    masks = [attn.attn_mask, attn.keep, attn.drop, attn.sink] + [term.node for term in attn.bias]
     for mask in masks:
         val = _val(mask)
         if mask is None or (val is not None and (val.dim() < 4 or _known(val.shape[-3] == 1))):
@@ -639,6 +691,20 @@ def _replace_output(graph: fx.Graph, attn: _Attention, fused: fx.Node) -> None:
             fused = graph.call_method("flatten", (fused, 0, 1))  # [B, H, T, D] -> [B * H, T, D]
         _copy_meta(attn.output, fused)
     attn.output.replace_all_uses_with(fused)
+
+
+def _add_sink(graph: fx.Graph, attn: _Attention, k_new: fx.Node, v_new: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The sink as one more new token: key and value zero, its logit ``0 + sink`` from the mask."""
+    zero_k, zero_v = (
+        graph.call_function(torch.zeros_like, (graph.call_function(operator.getitem, (x, (Ellipsis, slice(None, 1), slice(None)))),))
+        for x in (k_new, v_new)
+    )  # fmt: skip
+    k_new = graph.call_function(torch.cat, ([k_new, zero_k],), {"dim": -2})
+    v_new = graph.call_function(torch.cat, ([v_new, zero_v],), {"dim": -2})
+    # mask [.., S] broadcast to the sink's [B, H, T, 1] rows, then the sink as column S + 1
+    rows = graph.call_function(operator.add, (attn.attn_mask, graph.call_function(torch.zeros_like, (attn.sink,))))
+    attn.attn_mask = graph.call_function(torch.cat, ([rows, attn.sink],), {"dim": -1})
+    return k_new, v_new
 
 
 def _build_mask(graph: fx.Graph, attn: _Attention) -> None:
@@ -704,9 +770,10 @@ def _rewrite_site(
         _build_mask(graph, attn)
         with graph.inserting_before(attn.output):
             query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
+            k_new, v_new = (k.new, v.new) if attn.sink is None else _add_sink(graph, attn, k.new, v.new)
             fused = graph.call_function(
                 graph_ops.kv4_sdpa,
-                (query, k.past, k.new, v.past, v.new),
+                (query, k.past, k_new, v.past, v_new),
                 {
                     "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
                     "k_spec": config.k.tag, "v_spec": config.v.tag,

@@ -50,6 +50,28 @@ MODELS = {
         },
         {"sdpa"},
     ),  # fmt: skip
+    # attention sinks: cat([scores, sink]) - row max -> softmax -> probs[..., :-1];
+    # sliding-window layers (window 32 < 40 prompt tokens) evict as well
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+        },
+        {"eager"},
+    ),  # fmt: skip
+    # sinks on sliding layers only, the row-max shift on all; V head_dim != K head_dim
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        {
+            "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "v_head_dim": 16,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32,
+            "layer_types": ["full_attention", "sliding_attention"], "mlp_layer_types": ["dense", "sparse"],
+        },
+        {"eager"},
+    ),  # fmt: skip
 }
 
 
@@ -58,7 +80,11 @@ def _model(name):
     config = getattr(transformers, config_class)(**COMMON, **sizes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
+        for module in model.modules():
+            if getattr(module, "sinks", None) is not None:
+                module.sinks.data = torch.randn(module.sinks.shape) + 2.0  # large enough to matter
+    return model
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
