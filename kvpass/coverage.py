@@ -259,6 +259,11 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
     for other in sorted(fields - out.keys()):
         if type(value(other)) is int and tie(other, value(other)) != value(other):
             out[other] = tie(other, value(other))
+    # a K/V head count whose query head count shrank keeps its group size where it divides (inkling's swa_*)
+    for kv in sorted(f for f in fields - out.keys() if "key_value_heads" in f and type(value(f)) is int):
+        heads = kv.replace("key_value_heads", "attention_heads")
+        if heads in out and value(heads) and value(heads) % value(kv) == 0:
+            out[kv] = max(1, out[heads] * value(kv) // value(heads))
     hidden = out.get(field("hidden_size") or "")
     for heads, head_dim, expand in SSM_HEADS:
         if hidden and {heads, head_dim, expand} <= fields and isinstance(value(expand), int):
