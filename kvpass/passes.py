@@ -124,6 +124,7 @@ class _CacheWrite:
     # Other readers: other sites' readers, or nodes that get the dequantized cache (fp_readers).
     others: list[fx.Node] = dataclasses.field(default_factory=list)
     fp_readers: list[fx.Node] = dataclasses.field(default_factory=list)
+    extra: fx.Node | None = None  # exact entries attention reads after the cache: cat([write, extra])
 
 
 def _val(node):
@@ -176,8 +177,8 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """From an SDPA K/V argument back to the tensor the views start from."""
     if not isinstance(arg, fx.Node):
         raise NoMatch(f"K/V argument is a constant ({arg!r}), not a graph value")
-    if _is_call(arg, (), "to") and arg.args[1:] == (torch.float32,):
-        # An fp32 upcast before attention (GPT-Neo): kv4 attention computes in fp32 anyway.
+    if _is_fp32_cast(arg):
+        # An fp32 upcast before attention (GPT-Neo, Flint): kv4 attention computes in fp32 anyway.
         root, chain = _walk_view_chain(arg.args[0])
         return root, [arg, *chain]
     if _is_head_tiling(arg):
@@ -212,13 +213,13 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     root, chain = _walk_view_chain(arg)
     if root.op == "placeholder":
         return _static_cache_write(root, chain, role)
-    if not (root.op == "call_function" and root.target is torch.cat):
-        raise NoMatch(f"{role} does not come from a cache write (torch.cat along the sequence); it is {root.format_node()}")
-    tensors = root.args[0]
-    dim = root.args[1] if len(root.args) > 1 else root.kwargs.get("dim", 0)
-    if dim not in (-2, 2) or len(tensors) != 2:
-        raise NoMatch(f"{role} cache write {root.name} is not a two-tensor cat along dim -2 (dim={dim})")
-    past, new = tensors
+    if not _is_sequence_cat(root):
+        raise NoMatch(f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}")
+    extra = None
+    if not _is_stored(root) and _is_sequence_cat(root.args[0][0]) and _is_stored(root.args[0][0]):
+        # cat([cache write, extra]): entries kept outside this cache (DeepSeek-V4's compressed KV)
+        chain, extra, root = [*chain, root], root.args[0][1], root.args[0][0]
+    past, new = root.args[0]
     new_val = _val(new)
     if new_val is None or new_val.dim() != 4:
         raise NoMatch(f"{role} new tokens {getattr(new, 'name', new)} are not a 4-D [B, H, T, D] tensor")
@@ -226,16 +227,30 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
         raise NoMatch(f"{role} cache dtype {new_val.dtype} is not floating point")
     site_reader = chain[-1] if chain else reader
     evictions = [n for n in root.users if _is_stored_sequence_slice(n)]
+    if not _is_stored(root):
+        raise NoMatch(f"{role} {root.name} joins tensors along the sequence but is not stored in the cache")
     others = [n for n in root.users if n is not site_reader and n.op != "output" and n not in evictions]
     for node in others:
         if node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_")):
             raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
     if _is_empty_tensor_ctor(past):
-        return _CacheWrite(root, None, new, chain, evictions, site_reader, others)
+        return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra)
     past_val = _val(past)
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
-    return _CacheWrite(root, past, new, chain, evictions, site_reader, others)
+    return _CacheWrite(root, past, new, chain, evictions, site_reader, others, extra=extra)
+
+
+def _is_sequence_cat(node) -> bool:
+    if not _is_call(node, (torch.cat,)):
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return dim in (-2, 2) and len(node.args[0]) == 2
+
+
+def _is_stored(write: fx.Node) -> bool:
+    """The cache object keeps it: returned by the graph, whole or as a window's eviction slice."""
+    return any(n.op == "output" or _is_stored_sequence_slice(n) for n in write.users)
 
 
 def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _CacheWrite:
@@ -313,7 +328,7 @@ def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
-    for node in nodes:
+    for node in dict.fromkeys(nodes):  # K and V chains may share nodes (shared-KV MQA)
         if node.graph is graph and not node.users:
             graph.erase_node(node)
 
@@ -651,6 +666,8 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
         if attn.tiles > 1 or attn.sink is not None:
             raise NoMatch("a static cache read with heads tiled by repeat or with an attention sink")
         return k, v  # the buffers' own specs apply; they were chosen when they were allocated
+    if k.node is v.node and config.k != config.v:
+        raise NoMatch(f"K and V are one cache tensor {k.node.name} (shared-KV MQA), so they need one quantization spec")
     _check_packable(k, config.k, "K")
     _check_packable(v, config.v, "V")
     return k, v
@@ -770,7 +787,12 @@ def _rewrite_site(
         _build_mask(graph, attn)
         with graph.inserting_before(attn.output):
             query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
-            k_new, v_new = (k.new, v.new) if attn.sink is None else _add_sink(graph, attn, k.new, v.new)
+            k_new, v_new = (
+                w.new if w.extra is None else graph.call_function(torch.cat, ([w.new, w.extra],), {"dim": -2})
+                for w in (k, v)
+            )  # fmt: skip
+            if attn.sink is not None:
+                k_new, v_new = _add_sink(graph, attn, k_new, v_new)
             fused = graph.call_function(
                 graph_ops.kv4_sdpa,
                 (query, k.past, k_new, v.past, v_new),
