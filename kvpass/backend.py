@@ -97,6 +97,7 @@ def kv4(
     symmetric: bool = _DEFAULT.k.symmetric,
     k_symmetric: bool | None = None,
     v_symmetric: bool | None = None,
+    window: int = _DEFAULT.k.window,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -108,7 +109,9 @@ def kv4(
     per channel, KIVI-style, with an unquantized residual); ``*_rotate`` applies a Hadamard
     rotation of the head dimension before quantizing. ``symmetric=False`` stores a zero
     point per group (asymmetric grid, codes ``0..2**bits - 1``) for both K and V unless
-    ``k_symmetric``/``v_symmetric`` say otherwise. ``inner`` is the compiler the
+    ``k_symmetric``/``v_symmetric`` say otherwise. ``window`` keeps the newest ``window`` to
+    ``window + 63`` tokens of K and V unquantized (per-token schemes; static caches keep
+    none). ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
     logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
@@ -117,11 +120,11 @@ def kv4(
     config = KVConfig(
         k=QuantSpec(
             bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate,
-            symmetric=symmetric if k_symmetric is None else k_symmetric,
+            symmetric=symmetric if k_symmetric is None else k_symmetric, window=window if k_scheme == "token" else 0,
         ),
         v=QuantSpec(
             bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate,
-            symmetric=symmetric if v_symmetric is None else v_symmetric,
+            symmetric=symmetric if v_symmetric is None else v_symmetric, window=window,
         ),
         inner=inner,
         debug=debug,

@@ -7,6 +7,8 @@ import math
 from typing import Literal
 
 SUPPORTED_BITS = (2, 4, 8)
+# Tokens leave an fp window this many at a time, so lengths stay multiples of a constant.
+WINDOW_BLOCK = 64
 SCHEMES = ("channel", "token")
 INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
@@ -28,6 +30,10 @@ class QuantSpec:
     ``symmetric=True`` stores one fp16 scale per group and signed codes on the grid
     ``-qmax..qmax``; ``symmetric=False`` stores a scale and a zero point (the group's
     minimum) per group and unsigned codes ``0..2**bits - 1`` (see :mod:`kvpass.reference`).
+
+    ``window=W`` (per-token scheme) keeps the newest ``W`` to ``W + 63`` tokens unquantized
+    in the residual; tokens are quantized ``WINDOW_BLOCK`` (64) at a time as they leave it.
+    A cache of ``S`` tokens holds ``max(S - W, 0) // 64 * 64`` of them quantized.
     """
 
     bits: int = 4
@@ -39,6 +45,8 @@ class QuantSpec:
     # Asymmetric (zero-point) grid when False: every code level lies inside [min, max] of the
     # group, so skewed groups (post-softmax-like, one-signed after rotation) lose no level.
     symmetric: bool = True
+    # Newest tokens kept unquantized: the ones every next token attends to most, cheap at long context.
+    window: int = 0
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -49,24 +57,36 @@ class QuantSpec:
             raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"window must be an int >= 0 (tokens kept unquantized), got {self.window!r}")
+        if self.window and self.scheme != "token":
+            raise ValueError(
+                f"window={self.window} needs scheme='token'; per-channel groups already keep the "
+                "tokens of their unfinished group unquantized"
+            )
 
     @property
     def tag(self) -> str:
-        """Compact, parseable name used in rewritten graphs: ``int4:channel:64[:rot][:asym]``.
+        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym][:w64]``.
 
         Symmetric specs keep the tags they always had (no suffix)."""
         return (
             f"int{self.bits}:{self.scheme}:{self.group}"
             + (":rot" if self.rotate else "")
             + ("" if self.symmetric else ":asym")
+            + (f":w{self.window}" if self.window else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
         bits, scheme, group, *flags = tag.split(":")
-        if flags not in ([], ["rot"], ["asym"], ["rot", "asym"]):
-            raise ValueError(f"bad QuantSpec tag {tag!r}: expected int<bits>:<scheme>:<group>[:rot][:asym]")
-        return cls(int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags, symmetric="asym" not in flags)
+        window = [f for f in flags if f.startswith("w") and f[1:].isdigit()]
+        if [f for f in flags if f not in window] not in ([], ["rot"], ["asym"], ["rot", "asym"]) or len(window) > 1:
+            raise ValueError(f"bad QuantSpec tag {tag!r}: expected int<bits>:<scheme>:<group>[:rot][:asym][:w<tokens>]")
+        return cls(
+            int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags, symmetric="asym" not in flags,
+            window=int(window[0][1:]) if window else 0,
+        )  # fmt: skip
 
     @property
     def qmax(self) -> int:

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops
-from kvpass.config import QuantSpec
+from kvpass.config import WINDOW_BLOCK, QuantSpec
 
 log = logging.getLogger("kvpass")
 aten = torch.ops.aten
@@ -101,6 +101,8 @@ class PackedKV(torch.Tensor):
                 f"a preallocated (static) cache needs per-token groups, got scheme={spec.scheme!r}; "
                 "per-channel groups need their tokens in order"
             )
+        if spec.window:
+            raise ValueError(f"a preallocated (static) cache quantizes every slot it writes; got window={spec.window}, use 0")
         B, H, S, D = shape
         empty = _empty_like(torch.empty((B, H, 0, D), dtype=dtype, device=device), spec)
         # Zero scales decode every slot to exactly zero, whatever its codes.
@@ -112,16 +114,16 @@ class PackedKV(torch.Tensor):
 
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
-        if self.spec.scheme == "token":  # kv4::quantize rotates as it quantizes
+        if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.spec_args(self.spec))
             return self._extended(codes, scales, self.residual)
-        # Residual tokens join the new ones; every whole group among them is quantized now.
-        # Floor division instead of a branch keeps symbolic lengths free of guards.
+        # Residual tokens join the new ones; those that may leave it are quantized now: whole
+        # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
-        n_full = pending.shape[2] // self.spec.group * self.spec.group
-        codes, scales = ops.quantize(pending[:, :, :n_full], *ops.spec_args(_unrotated(self.spec)))
-        return self._extended(codes, scales, pending[:, :, n_full:])
+        n_leaving = _leaving(pending.shape[2], self.spec)
+        codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.spec_args(_unrotated(self.spec)))
+        return self._extended(codes, scales, pending[:, :, n_leaving:])
 
     def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> PackedKV:
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail."""
@@ -155,7 +157,7 @@ class PackedKV(torch.Tensor):
             # A crop outside graphs (DynamicCache.crop) must not stay an autograd view of the
             # longer cache: Dynamo would rebuild it from that base by replaying the slice, whose
             # length is a constant, and compile a graph per length (assisted decoding).
-            return PackedKV(result.codes, result.scales, result.residual, result.spec)
+            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows)
         return result
 
     def __repr__(self):
@@ -201,7 +203,15 @@ torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
 
 def _unrotated(spec: QuantSpec) -> QuantSpec:
     # The residual is already in the rotated domain, so quantizing it must not rotate again.
-    return QuantSpec(spec.bits, spec.scheme, spec.group, rotate=False, symmetric=spec.symmetric)
+    return dataclasses.replace(spec, rotate=False)
+
+
+def _leaving(n_pending: int, spec: QuantSpec):
+    """How many of ``n_pending`` unquantized tokens are quantized now (oldest first)."""
+    # Floor division and sym_max instead of branches keep symbolic lengths free of guards.
+    if spec.scheme == "channel":
+        return n_pending // spec.group * spec.group
+    return torch.sym_max(n_pending - spec.window, 0) // WINDOW_BLOCK * WINDOW_BLOCK
 
 
 def _cat(a, b):
@@ -361,17 +371,26 @@ def _slice_impl(func, args, kwargs):
     if start == 0:
         return _crop(t, end)
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
-        return PackedKV(t.codes[:, :, start:end], t.scales[:, :, start:end], t.residual[:, :, :0], t.spec)
+        n_quant = t.codes.shape[2]
+        codes_end = min(end, n_quant)
+        return PackedKV(
+            t.codes[:, :, start:codes_end], t.scales[:, :, start:codes_end],
+            t.residual[:, :, max(start - n_quant, 0) : max(end - n_quant, 0)], t.spec, rows=t._rows,
+        )  # fmt: skip
     return NotImplemented
 
 
 def _crop(t: PackedKV, length: int) -> PackedKV:
-    """The first ``length`` tokens (``DynamicCache.crop``)."""
+    """The first ``length`` tokens (``DynamicCache.crop``).
+
+    Views of the same storages keep the growth bookkeeping: one that still ends at the last
+    written row (a crop inside the residual) goes on appending in place.
+    """
     n_quant = t.codes.shape[2]
     if length >= n_quant:
-        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec)
+        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec, rows=t._rows)
     if t.spec.scheme == "token":
-        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec)
+        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec, rows=t._rows)
     # A per-channel group cut in two: its surviving tokens go back to the residual, with
     # the values they had (dequantized), so no token changes value.
     g = t.spec.group

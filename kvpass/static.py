@@ -23,6 +23,8 @@ Sliding-window static layers keep HF's own fp buffers (their update rolls the bu
 
 from __future__ import annotations
 
+import dataclasses
+
 import weakref
 
 import torch
@@ -71,7 +73,8 @@ def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> No
 
 def _specs(k_spec: QuantSpec | None, v_spec: QuantSpec | None) -> tuple[QuantSpec, QuantSpec]:
     default = KVConfig()
-    return k_spec or default.k, v_spec or default.v
+    # Fixed slots are quantized as they are written: a static cache keeps no fp window.
+    return tuple(dataclasses.replace(s, window=0) for s in (k_spec or default.k, v_spec or default.v))
 
 
 class StaticKVCache(StaticCache):

@@ -1,5 +1,6 @@
 """PackedKV: what HF cache code does to a cache tensor, done on int4 storage."""
 
+import dataclasses
 import io
 import logging
 
@@ -234,3 +235,60 @@ def test_copy_between_packed_caches_copies_the_stored_form(spec):
     assert isinstance(target, PackedKV)
     for name in ("codes", "scales", "residual"):
         assert torch.equal(getattr(target, name), getattr(p, name))
+
+
+# --- an unquantized window of the newest tokens ---------------------------------------------
+
+WINDOWED = [QuantSpec(4, "token", 64, window=64), QuantSpec(4, "token", 32, rotate=True, window=32)]
+
+
+def _expected_windowed(x, spec):
+    """Oldest whole blocks of 64 beyond the window quantized, the rest exact (stored domain round trip)."""
+    S = x.shape[2]
+    n_quant = max(S - spec.window, 0) // 64 * 64
+    exact = reference_rotate_round_trip(x[:, :, n_quant:], spec)
+    head = quantize_dequantize(x[:, :, :n_quant], dataclasses.replace(spec, window=0))
+    return n_quant, torch.cat([head, exact], dim=2)
+
+
+def reference_rotate_round_trip(x, spec):
+    from kvpass.reference import rotate
+
+    return rotate(rotate(x.float())).to(x.dtype) if spec.rotate else x
+
+
+@pytest.mark.parametrize("wspec", WINDOWED, ids=lambda s: s.tag)
+@pytest.mark.parametrize("S", [0, 1, 63, 64, 127, 128, 129, 300])
+def test_window_keeps_the_newest_tokens_unquantized(wspec, S):
+    x = torch.randn(2, 3, S, 64)
+    p = PackedKV.from_float(x, wspec)
+    n_quant, expected = _expected_windowed(x, wspec)
+    assert p.codes.shape[2] == n_quant and p.residual.shape[2] == S - n_quant
+    assert wspec.window <= p.residual.shape[2] < wspec.window + 64 or S < wspec.window + 64
+    torch.testing.assert_close(p.dequantize(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("wspec", WINDOWED, ids=lambda s: s.tag)
+def test_window_appends_match_building_in_one_go(wspec):
+    x = torch.randn(1, 2, 400, 64)
+    p = PackedKV.from_float(x[:, :, :10], wspec)
+    for start in range(10, 400, 7):
+        p = p.append(x[:, :, start : start + 7])
+    whole = PackedKV.from_float(x, wspec)
+    assert torch.equal(p.codes, whole.codes) and torch.equal(p.scales, whole.scales)
+    torch.testing.assert_close(p.residual, whole.residual, rtol=0, atol=0)
+
+
+def test_window_eviction_and_crop_cut_across_codes_and_residual():
+    wspec = QuantSpec(4, "token", 64, window=64)
+    x = torch.randn(1, 2, 300, 64)
+    p = PackedKV.from_float(x, wspec)  # 192 quantized + 108 exact
+    full = p.dequantize()
+    for sl in (slice(150, 300), slice(200, 300), slice(100, 250)):
+        part = p[:, :, sl]
+        assert isinstance(part, PackedKV)
+        torch.testing.assert_close(part.dequantize(), full[:, :, sl], rtol=0, atol=0)
+    cropped = p[..., :-20, :]  # inside the window: the quantized rows are untouched...
+    grown = cropped.append(x[:, :, 280:281])
+    assert _storage(grown.codes) == _storage(p.codes)  # ...so appends stay in place
+    torch.testing.assert_close(grown.dequantize()[:, :, :281], full[:, :, :281], rtol=0, atol=0)

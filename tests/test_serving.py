@@ -97,3 +97,28 @@ def test_new_prompt_on_the_same_compiled_model_starts_clean(compiled_llama):
     compiled_llama.generate(short_prompt, max_new_tokens=6, do_sample=False)
     again = compiled_llama.generate(long_prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(first, again)
+
+
+def test_fp_window_decode_matches_its_simulation_across_flushes():
+    from kvpass.config import QuantSpec
+    from kvpass.simulate import FpTokens
+    from transformers import DynamicCache
+
+    from tests.helpers import kv_heavy_llama
+
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    spec = QuantSpec(4, "token", 32, rotate=True, window=64)
+    sim = SimulatedKVCache(model.config, spec, spec, FpTokens(window=64, flush=64))
+    step = torch.compile(model, backend=kvpass.kv4(window=64, k_group=32, v_group=32))
+    cache, ids = DynamicCache(), _prompt(1, 150)
+    with torch.no_grad():
+        ref, out = model(ids, past_key_values=sim, use_cache=True), step(input_ids=ids, past_key_values=cache)
+        residuals = set()
+        for _ in range(70):  # 150 -> 220 tokens: the window flushes 64 tokens on the way
+            tok = ref.logits[:, -1:].argmax(-1)
+            ref, out = model(tok, past_key_values=sim), step(input_ids=tok, past_key_values=cache)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-5)
+            residuals.add(cache.layers[0].keys.residual.shape[2])
+    torch._dynamo.reset()
+    assert min(residuals) >= 64 and max(residuals) <= 127 and len(residuals) > 60
