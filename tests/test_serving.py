@@ -8,11 +8,14 @@ own numerics, so any difference is a bug, not quantization noise.
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from transformers import DynamicCache
 
 import kvpass
+from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache
+from kvpass.simulate import FpTokens, SimulatedKVCache
+from tests.helpers import kv_heavy_llama
 
 
 def _prompt(batch, length, seed=0):
@@ -100,12 +103,6 @@ def test_new_prompt_on_the_same_compiled_model_starts_clean(compiled_llama):
 
 
 def test_fp_window_decode_matches_its_simulation_across_flushes():
-    from kvpass.config import QuantSpec
-    from kvpass.simulate import FpTokens
-    from transformers import DynamicCache
-
-    from tests.helpers import kv_heavy_llama
-
     torch._dynamo.reset()
     model = kv_heavy_llama()
     spec = QuantSpec(4, "token", 32, rotate=True, window=64)
