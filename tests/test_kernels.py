@@ -143,7 +143,10 @@ def test_quantize_returns_new_tensors_and_rejects_partial_groups():
 def _store(x, spec):
     """The stored form of ``x`` as the cache holds it: codes, scales and the residual tail."""
     stored = reference.rotate(x) if spec.rotate else x
-    n_quant = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
+    if spec.scheme == "channel":
+        n_quant = x.shape[2] - x.shape[2] % spec.group
+    else:  # the newest window..window+63 tokens stay unquantized
+        n_quant = max(x.shape[2] - spec.window, 0) // 64 * 64
     codes, scales = reference.quantize(stored[:, :, :n_quant], spec)
     return codes, scales, stored[:, :, n_quant:].contiguous()
 
@@ -198,6 +201,34 @@ def test_decode_matches_reference(past, head_dim, heads, batch, dtype, specs):
     q_heads, kv_heads = heads
     args = _inputs(batch, q_heads, kv_heads, 1, past, 1, head_dim, dtype, SPECS[specs], seed=past + head_dim)
     _check(args, None, False, SPECS[specs], dtype)
+
+
+WINDOWED = (QuantSpec(bits=4, scheme="token", group=32, rotate=True, window=64),) * 2
+
+
+@pytest.mark.parametrize("past", [0, 63, 130, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_decode_over_an_fp_window(past, dtype):
+    """Per-token codes followed by an unquantized tail of 64-127 tokens."""
+    args = _inputs(2, 8, 2, 1, past, 1, 64, dtype, WINDOWED, seed=past)
+    assert args[3].shape[2] == (past if past < 128 else past - (past - 64) // 64 * 64)
+    _check(args, None, False, WINDOWED, dtype)
+
+
+def test_decode_over_growable_storage():
+    """Codes and scales as PackedKV grows them: sequence-major views of storages with spare rows."""
+    from kvpass.packed import PackedKV
+
+    spec = WINDOWED[0]
+    gen = torch.Generator().manual_seed(3)
+    k = PackedKV.from_float(torch.randn(1, 2, 100, 64, generator=gen), spec)
+    v = PackedKV.from_float(torch.randn(1, 2, 100, 64, generator=gen), spec)
+    for _ in range(70):
+        k, v = k.append(torch.randn(1, 2, 1, 64, generator=gen)), v.append(torch.randn(1, 2, 1, 64, generator=gen))
+    assert not k.codes.is_contiguous() and k.codes.untyped_storage().nbytes() > k.codes.numel()
+    q, new = torch.randn(1, 8, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
+    args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
+    _check(args, None, False, WINDOWED, torch.float32)
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
