@@ -209,6 +209,8 @@ def tiny_config(model_type: str):
 
 def _finish(config):
     text = config.get_text_config(decoder=True)
+    if not any(getattr(config, key, None) is text for key in config.sub_configs):
+        text = config  # an encoder-decoder's decoder view is a copy
     text.eos_token_id = None
     text.pad_token_id = 0
     return config
