@@ -60,6 +60,17 @@ def test_encoder_decoder_config_shrinks_its_decoder():
     assert config.decoder_layers == config.encoder_layers == 2 and config.d_model == 128
 
 
+def test_encoder_decoder_pad_token_fits_the_tiny_vocab():
+    config = tiny_config("marian")  # its real pad id is 58100
+    assert config.pad_token_id == 0 and config.eos_token_id is None
+
+
+def test_kv_heads_follow_their_shrunk_query_heads():
+    config = tiny_config("inkling_text")  # sliding layers: 64 query heads over 16 K/V heads
+    assert config.swa_num_attention_heads % config.swa_num_key_value_heads == 0
+    assert config.swa_num_key_value_heads < config.swa_num_attention_heads
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "falcon", "gptj"])
 def test_fixed_types_generate_eagerly(model_type):
     from transformers import AutoModelForCausalLM
