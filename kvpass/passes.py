@@ -23,11 +23,14 @@ A site is an attention computation whose K and V lead back, through the view cha
   (a 3-D per-head term is unflattened to ``[B, H, T, S]``), bool masks become ``-inf``
   there; "-big" is a constant <= -1e4 (``finfo.min``), so only rows with every key masked
   differ (kv4 gives zeros);
-* cache write: ``torch.cat([past, new], dim=-2 or 2)``, ``past`` being
-  ``torch.tensor([])`` (the prefill graph of a ``DynamicCache``), a PackedKV placeholder
-  (decode graphs) or a plain ``[B, H, S, D]`` float tensor (a cache filled elsewhere); or
-  ``buffer.index_copy_(2, positions, new)`` into a PackedKV placeholder (``StaticKVCache``);
-* view chain: nothing (SDPA with or without ``enable_gqa``), ``x[:, :, None]`` ->
+* cache write: ``torch.cat([past, new], dim=-2 or 2)`` that the graph returns (whole or as
+  a window's eviction slice), ``past`` being ``torch.tensor([])`` (the prefill graph of a
+  ``DynamicCache``), a PackedKV placeholder (decode graphs) or a plain ``[B, H, S, D]`` float
+  tensor (a cache filled elsewhere); or ``buffer.index_copy_(2, positions, new)`` into a
+  PackedKV placeholder (``StaticKVCache``). K and V may be one write (DeepSeek-V4's shared
+  KV) when their specs are equal. ``cat([write, extra], dim=2)`` that is not returned reads
+  ``extra`` (DeepSeek-V4's compressed entries, kept elsewhere) as more exact new tokens;
+* view chain: nothing (SDPA with or without ``enable_gqa``), an fp32 cast, ``x[:, :, None]`` ->
   ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant, or
   ``x.repeat(1, n, 1, 1)`` (JetMoE: query head h reads KV head h % H_kv), for which the
   query heads are permuted into grouped order around the op (masks must be shared by all heads);
@@ -328,7 +331,8 @@ def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
-    for node in dict.fromkeys(nodes):  # K and V chains may share nodes (shared-KV MQA)
+    # once each, at its last mention: K and V chains may share their root end (shared-KV MQA)
+    for node in reversed(dict.fromkeys(reversed(nodes))):
         if node.graph is graph and not node.users:
             graph.erase_node(node)
 

@@ -72,6 +72,26 @@ MODELS = {
         },
         {"eager"},
     ),  # fmt: skip
+    # K and V upcast with .float() before attention; sinks
+    "flint": (
+        "FlintConfig",
+        {
+            "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+            "num_experts_per_tok": 2, "sliding_window": 32, "layer_types": ["full_attention", "sliding_attention"],
+        },
+        {"eager"},
+    ),  # fmt: skip
+    # K and V are one sliding-window cache tensor; attention reads cat([cache, compressed KV])
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        {
+            "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "sliding_window": 32, "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention"],
+        },
+        {"eager"},
+    ),  # fmt: skip
 }
 
 
