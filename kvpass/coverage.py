@@ -107,6 +107,7 @@ SSM_HEADS = (
 )
 SSM_HEAD_DIM = 32
 SUB_TIED = re.compile(r"_size$|_dim$")
+KIND_PATTERNS = ("layer_types", "layers_block_type", "block_types")
 # Mixed per-layer kinds (attention / linear attention / MoE ...) get one layer each, up to this depth.
 MAX_LAYERS = 4
 
@@ -277,7 +278,12 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
                 out["mamba_d_ssm"] = inner
     depth_field = field("num_hidden_layers")
     depth = value(depth_field) if depth_field else None
-    lists = {f: value(f) for f in fields if isinstance(value(f), list) and depth and len(value(f)) == depth > 1}
+    # per-layer lists, and layer-kind patterns that the model cycles through (recurrent_gemma's block_types)
+    lists = {
+        f: value(f)
+        for f in fields
+        if isinstance(value(f), list) and depth and (len(value(f)) == depth > 1 or (f in KIND_PATTERNS and len(value(f)) > 1))
+    }
     if lists:
         kinds = {f: list(dict.fromkeys(v)) for f, v in lists.items()}
         layers = min(MAX_LAYERS, max([TINY["num_hidden_layers"]] + [len(k) for f, k in kinds.items() if isinstance(lists[f][0], str)]))
