@@ -54,11 +54,14 @@ def kv4_sdpa(
     k_spec: str,
     v_spec: str,
     softcap: float = 0.0,
+    v_heads: list[int] | None = None,
 ) -> torch.Tensor:
     """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored.
 
     ``softcap`` is Gemma-2's ``cap * tanh(scores / cap)``, found in eager attention graphs.
     No new tokens (``None``): a static cache, whose buffer already holds them.
+    ``v_heads[j]`` is the stored V head that head ``j`` of V reads (DiffLlama: a chunk of the
+    heads tiled back); it copies the picked heads' codes.
     """
     k_spec_, v_spec_ = _spec(k_spec), _spec(v_spec)
     k, v = _as_packed(past_k, k_spec_), _as_packed(past_v, v_spec_)
@@ -66,7 +69,12 @@ def kv4_sdpa(
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    v_codes, v_scales, v_residual = v.codes, v.scales, v.residual
+    if v_heads is not None:
+        index = torch.tensor(v_heads, device=q.device)
+        picked = (t.index_select(1, index) for t in (v_codes, v_scales, v_residual, v_new))
+        v_codes, v_scales, v_residual, v_new = picked
     return ops.attention(
-        q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, scale, is_causal,
+        q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
     )  # fmt: skip

@@ -34,6 +34,8 @@ A site is an attention computation whose K and V lead back, through the view cha
   ``expand`` -> ``reshape`` (``repeat_kv``), which the GQA-aware kv4 op makes redundant, or
   ``x.repeat(1, n, 1, 1)`` (JetMoE: query head h reads KV head h % H_kv), for which the
   query heads are permuted into grouped order around the op (masks must be shared by all heads);
+  for V only, ``torch.chunk(x, m, dim=1)[c].repeat(1, n, 1, 1)`` with as many heads as K
+  (DiffLlama), read as a list of stored heads (``kv4_sdpa(v_heads=...)``, which copies them);
 * besides attention the written cache may be returned (the cache object keeps it), sliced
   along the sequence and returned (a sliding-window layer's eviction), read by other
   sites (differential attention: packed once, each site reads the packed past), or read
@@ -128,6 +130,7 @@ class _CacheWrite:
     others: list[fx.Node] = dataclasses.field(default_factory=list)
     fp_readers: list[fx.Node] = dataclasses.field(default_factory=list)
     extra: fx.Node | None = None  # exact entries attention reads after the cache: cat([write, extra])
+    heads: list[int] | None = None  # the stored head each head attention reads comes from (DiffLlama's V)
 
 
 def _val(node):
@@ -184,6 +187,10 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         # An fp32 upcast before attention (GPT-Neo, Flint): kv4 attention computes in fp32 anyway.
         root, chain = _walk_view_chain(arg.args[0])
         return root, [arg, *chain]
+    if _is_head_tiling(arg) and _is_head_chunk(arg.args[0]):
+        # DiffLlama: one chunk of the KV heads tiled back to as many heads as K has
+        part = arg.args[0]
+        return part.args[0].args[0], [arg, part, part.args[0]]
     if _is_head_tiling(arg):
         return arg.args[0], [arg]
     if _method_or_function(arg, "reshape"):
@@ -191,7 +198,10 @@ def _walk_view_chain(arg: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         if isinstance(expand, fx.Node) and _method_or_function(expand, "expand"):
             insert = expand.args[0]
             if isinstance(insert, fx.Node) and _is_repeat_kv_insert(insert):
-                return insert.args[0], [arg, expand, insert]
+                root, chain = _walk_view_chain(insert.args[0])
+                if _tiles(chain) > 1:
+                    raise NoMatch(f"K/V heads are tiled by repeat and then repeated by repeat_kv at {arg.name}")
+                return root, [arg, expand, insert, *chain]
         raise NoMatch(f"K/V reach SDPA through reshape {arg.name} that is not the repeat_kv idiom")
     return arg, []
 
@@ -204,9 +214,33 @@ def _is_head_tiling(node: fx.Node) -> bool:
     return len(sizes) == 4 and sizes[0] == sizes[2] == sizes[3] == 1 and isinstance(sizes[1], int)
 
 
+def _is_head_chunk(node) -> bool:
+    """``torch.chunk(x, m, dim=1)[c]`` of a 4-D ``x``: a range of its heads."""
+    if not (_is_call(node, (operator.getitem,)) and isinstance(node.args[1], int)):
+        return False
+    chunk = node.args[0]
+    if not _is_call(chunk, (torch.chunk,), "chunk") or len(chunk.args) < 2 or not isinstance(chunk.args[1], int):
+        return False
+    dim = chunk.kwargs.get("dim", chunk.args[2] if len(chunk.args) > 2 else 0)
+    val = _val(chunk.args[0])
+    return dim in (1, -3) and val is not None and val.dim() == 4 and isinstance(val.shape[1], int)
+
+
+def _selected_heads(chain: list[fx.Node]) -> list[int] | None:
+    """Stored head read by each head of ``chunk(x, m, dim=1)[c].repeat(1, n, 1, 1)``, else None."""
+    for node in chain:
+        if _is_head_tiling(node) and _is_head_chunk(node.args[0]):
+            part = node.args[0]
+            chunk, c = part.args
+            per_chunk = _val(chunk.args[0]).shape[1] // chunk.args[1]
+            tiles = node.args[1][1] if len(node.args) == 2 else node.args[2]
+            return [c * per_chunk + j % per_chunk for j in range(tiles * per_chunk)]
+    return None
+
+
 def _tiles(chain: list[fx.Node]) -> int:
     for node in chain:
-        if _is_head_tiling(node):
+        if _is_head_tiling(node) and not _is_head_chunk(node.args[0]):
             sizes = node.args[1] if len(node.args) == 2 else node.args[1:]
             return sizes[1]
     return 1
@@ -217,7 +251,9 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     if root.op == "placeholder":
         return _static_cache_write(root, chain, role)
     if not _is_sequence_cat(root):
-        raise NoMatch(f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}")
+        raise NoMatch(
+            f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}"
+        )
     extra = None
     if not _is_stored(root) and _is_sequence_cat(root.args[0][0]) and _is_stored(root.args[0][0]):
         # cat([cache write, extra]): entries kept outside this cache (DeepSeek-V4's compressed KV)
@@ -237,11 +273,11 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
         if node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_")):
             raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
     if _is_empty_tensor_ctor(past):
-        return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra)
+        return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra, heads=_selected_heads(chain))
     past_val = _val(past)
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
-    return _CacheWrite(root, past, new, chain, evictions, site_reader, others, extra=extra)
+    return _CacheWrite(root, past, new, chain, evictions, site_reader, others, extra=extra, heads=_selected_heads(chain))
 
 
 def _is_sequence_cat(node) -> bool:
@@ -431,7 +467,8 @@ def _peel_sink(node: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node | 
             nodes += [node, row_max, values]
             node = shifted
     sink = None
-    if _is_call(node, (torch.cat,)) and len(node.args[0]) == 2 and (node.args[1:] or (node.kwargs.get("dim"),))[0] in (-1, 3):
+    cat_dim = (node.args[1:] or (node.kwargs.get("dim"),))[0] if _is_call(node, (torch.cat,)) else None
+    if cat_dim in (-1, 3) and len(node.args[0]) == 2:
         nodes.append(node)
         node, sink = node.args[0]
         sink_val = _val(sink)
@@ -453,7 +490,8 @@ def _number(x):
 
 
 def _is_fp32_cast(node) -> bool:
-    return _is_call(node, (), "float") or (_is_call(node, (), "to") and node.args[1:] == (torch.float32,) and not node.kwargs)
+    to_fp32 = _is_call(node, (), "to") and node.args[1:] == (torch.float32,) and not node.kwargs
+    return _is_call(node, (), "float") or to_fp32
 
 
 def _folded_heads(flat: fx.Node, role: str) -> fx.Node:
@@ -666,8 +704,12 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
         raise NoMatch(f"K is tiled {attn.tiles} times over the heads and V {_tiles(v.chain)} times")
     if attn.tiles > 1:
         _check_tiled_masks(attn)
+    if k.heads is not None:
+        raise NoMatch("K reads a chunk of the cached heads; only V may (DiffLlama)")
+    if v.heads is not None and not _known(len(v.heads) == _val(k.new).shape[1]):
+        raise NoMatch(f"V reads {len(v.heads)} heads picked from a chunk, K has {_val(k.new).shape[1]}")
     if _is_static(k):
-        if attn.tiles > 1 or attn.sink is not None:
+        if attn.tiles > 1 or attn.sink is not None or v.heads is not None:
             raise NoMatch("a static cache read with heads tiled by repeat or with an attention sink")
         return k, v  # the buffers' own specs apply; they were chosen when they were allocated
     if k.node is v.node and config.k != config.v:
@@ -716,10 +758,10 @@ def _replace_output(graph: fx.Graph, attn: _Attention, fused: fx.Node) -> None:
 
 def _add_sink(graph: fx.Graph, attn: _Attention, k_new: fx.Node, v_new: fx.Node) -> tuple[fx.Node, fx.Node]:
     """The sink as one more new token: key and value zero, its logit ``0 + sink`` from the mask."""
+    first = (Ellipsis, slice(None, 1), slice(None))  # x[..., :1, :]
     zero_k, zero_v = (
-        graph.call_function(torch.zeros_like, (graph.call_function(operator.getitem, (x, (Ellipsis, slice(None, 1), slice(None)))),))
-        for x in (k_new, v_new)
-    )  # fmt: skip
+        graph.call_function(torch.zeros_like, (graph.call_function(operator.getitem, (x, first)),)) for x in (k_new, v_new)
+    )
     k_new = graph.call_function(torch.cat, ([k_new, zero_k],), {"dim": -2})
     v_new = graph.call_function(torch.cat, ([v_new, zero_v],), {"dim": -2})
     # mask [.., S] broadcast to the sink's [B, H, T, 1] rows, then the sink as column S + 1
@@ -804,6 +846,7 @@ def _rewrite_site(
                     "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
                     "k_spec": config.k.tag, "v_spec": config.v.tag,
                     **({"softcap": attn.softcap} if attn.softcap else {}),
+                    **({"v_heads": v.heads} if v.heads is not None else {}),
                 },
             )  # fmt: skip
             if attn.tiles > 1:

@@ -72,6 +72,12 @@ MODELS = {
         },
         {"eager"},
     ),  # fmt: skip
+    # differential attention: two SDPAs read one K cache; V is chunk(values, 2, dim=1)[c] tiled back
+    "diffllama": (
+        "DiffLlamaConfig",
+        {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+        {"sdpa"},
+    ),
     # K and V upcast with .float() before attention; sinks
     "flint": (
         "FlintConfig",
@@ -117,7 +123,10 @@ def test_form_rewritten_and_matches_reference(name):
     # Row 1 is left-padded, so the decode step's mask hides keys (a dropped mask shows).
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, :5] = 0
-    inputs = [{"input_ids": ids, "attention_mask": mask}, {"input_ids": nxt, "attention_mask": torch.cat([mask, mask[:, :1]], 1)}]
+    inputs = [
+        {"input_ids": ids, "attention_mask": mask},
+        {"input_ids": nxt, "attention_mask": torch.cat([mask, mask[:, :1]], 1)},
+    ]
     backend = kvpass.kv4()
     # JetMoE's deprecation wrappers share one code object and use up the default limit of 8,
     # after which the decode step would run uncompiled.
@@ -131,7 +140,7 @@ def test_form_rewritten_and_matches_reference(name):
     assert all(site.rewritten for site in sites), [site.reason for site in sites if not site.rewritten]
     assert {site.form for site in sites} == MODELS[name][2]
     layers = model.config.num_hidden_layers
-    assert [site.phase for site in sites].count("decode") == layers
+    assert [site.phase for site in sites].count("decode") == layers * (2 if name == "diffllama" else 1)
     assert all(isinstance(t, PackedKV) for layer in cache.layers for t in (layer.keys, layer.values))
     # No fp concatenation of the cache is left: every reader reads the packed past.
     assert not any(re.search(r"torch\.cat\(\[\w*layers_\d+_(keys|values)", graph.after) for graph in backend.graphs)
