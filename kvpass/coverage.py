@@ -117,8 +117,8 @@ DOTS3_TEXT = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q
 PROMPT_TOKENS = 70
 # Types this check cannot run at all, and why (the row says so instead of a misleading error).
 ASSISTANT = "a draft model: every layer reads the K/V its target model shares, it has no cache of its own to generate alone"
-MUSICGEN = ("an audio-codebook LM: its own generate() needs a checkpoint's generation config (decoder start token, "
-            "codebook delay pattern), which the default config does not carry")
+MUSICGEN = ("an audio-codebook LM: its causal-LM class takes only the decoder config, and with that its own generate() "
+            "needs a checkpoint's generation config (decoder start token, codebook delay pattern)")
 CANNOT_RUN = {
     "gemma4_assistant": ASSISTANT,
     "gemma4_unified_assistant": ASSISTANT,
@@ -308,12 +308,8 @@ def check_one(model_type: str) -> dict:
         return {**row, "status": "cannot run", "reason": CANNOT_RUN[model_type]}
     try:
         config = tiny_config(model_type)
-        # the causal-LM class may take only the decoder part of a composite config (musicgen)
-        model_class = AutoModelForCausalLM._model_mapping[type(config)]
-        if not isinstance(config, model_class.config_class):
-            config = config.get_text_config(decoder=True)
         torch.manual_seed(0)
-        model = model_class._from_config(config).eval()
+        model = AutoModelForCausalLM.from_config(config).eval()
     except Exception as err:  # noqa: BLE001 - any failure is this row's finding
         return {**row, "status": "no tiny model", "reason": _short(err)}
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
