@@ -130,6 +130,8 @@ def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(mode
 
     k_spec, v_spec = kv_eval.parse_method("kv4-rot").specs
     fp = FpTokens(sinks=3, window=16, flush=8)
+    # Past lengths read below: 16..23 newest tokens stay fp, after 3 sinks.
+    assert [fp.quantized(p) for p in (0, 40, 45, 46, 47)] == [(0, 0), (3, 19), (3, 27), (3, 27), (3, 27)]
     cache = SimulatedKVCache(model.config, k_spec, v_spec, fp)
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(0)
