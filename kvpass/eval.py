@@ -446,7 +446,9 @@ def machine() -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated methods (default: {DEFAULT_METHODS})")  # fmt: skip
+                        help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
+                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym], and for "
+                             "sim- only [-wW fp window][-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
     parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
