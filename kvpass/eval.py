@@ -24,7 +24,8 @@ Methods (``--methods``, comma separated):
   with ``bits=8`` / ``bits=2``. Suffixes, in this order: ``-gN`` sets every group size to N
   (e.g. ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``), ``-kN`` / ``-vN``
   the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid.
-* Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
+* ``-wW`` keeps the newest W to W+63 tokens unquantized (real kv4: ``kvpass.kv4(window=W)``).
+  Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
   sinks) unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
   ``sim-kv4-rot-w64-s4``.
@@ -56,6 +57,7 @@ from typing import Callable
 import torch
 
 from kvpass.config import QuantSpec
+from kvpass.config import WINDOW_BLOCK
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
 
@@ -120,7 +122,7 @@ def parse_method(name: str) -> Method:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym suffixes, "
-            "a sim- prefix, and for sim- -wW (fp window) / -sN (fp sinks) / -fF (flush block) suffixes"
+            "a sim- prefix, -wW (fp window), and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
     variant = m["variant"]
@@ -143,8 +145,10 @@ def parse_method(name: str) -> Method:
         kwargs["symmetric"] = m["sym"] == "-sym"
     window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
-    if fp_tokens != FpTokens() and not m["sim"]:
-        raise ValueError(f"{name}: fp windows and sinks (-w, -s, -f) exist only in simulation: use sim-{name}")
+    if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):
+        raise ValueError(f"{name}: fp sinks (-s) and other flush blocks (-f) exist only in simulation: use sim-{name}")
+    if window and not m["sim"]:
+        kwargs["window"] = window  # kv4's own fp window (QuantSpec.window), flushed WINDOW_BLOCK at a time
     method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens)
     k, _ = method.specs  # validate now (group sizes, bits)
     if k.scheme == "channel" and window and fp_tokens.flush % k.group:

@@ -8,8 +8,9 @@ so this equals quantizing each token once), which is slow and simple: what a ref
 should be. Layer types (full, sliding-window, recurrent) come from the model config as in
 ``DynamicCache``; only attention layers are simulated.
 
-``FpTokens`` adds schemes kv4 does not have yet: the first ``sinks`` tokens and a window
-of the most recent tokens stay unquantized (see :meth:`FpTokens.quantized`).
+``FpTokens`` says which tokens stay unquantized: by default the specs' window, as kv4 keeps
+it; also schemes kv4 does not have yet, such as the first ``sinks`` tokens (see
+:meth:`FpTokens.quantized`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from kvpass.config import QuantSpec
+from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import quantize_dequantize
 
 
@@ -83,8 +84,12 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, key_states, value_
 
 
 class SimulatedKVCache(DynamicCache):
-    def __init__(self, config, k_spec: QuantSpec, v_spec: QuantSpec, fp_tokens: FpTokens = FpTokens()):
+    def __init__(self, config, k_spec: QuantSpec, v_spec: QuantSpec, fp_tokens: FpTokens | None = None):
         super().__init__(config=config)
+        if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
+            if k_spec.window != v_spec.window:
+                raise ValueError(f"K and V windows differ ({k_spec.window}, {v_spec.window}); pass fp_tokens")
+            fp_tokens = FpTokens(window=k_spec.window, flush=WINDOW_BLOCK) if k_spec.window else FpTokens()
         for layer in self.layers:
             if isinstance(layer, DynamicLayer):
                 layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens)

@@ -176,5 +176,8 @@ def test_fp_token_method_names_and_bytes():
     # The reported ratio is the worst of the flush cycle: 4 + 127 fp tokens at 4099 stored.
     ratio = kv_eval.parse_method("sim-kv4-rot-w64-s4").fp16_ratio(4096, 64)
     assert ratio == pytest.approx((131 * 128 + 3968 * 34) / (4099 * 128))
-    with pytest.raises(ValueError):
-        kv_eval.parse_method("kv4-rot-w64")  # the real backend has no fp window
+    real = kv_eval.parse_method("kv4-rot-g32-w64")  # kv4's own window
+    assert all(spec.window == 64 and spec.group == 32 for spec in real.specs) and real.kind == "kv4"
+    assert real.fp16_ratio(4096, 64) == kv_eval.parse_method("sim-kv4-rot-g32-w64").fp16_ratio(4096, 64)
+    with pytest.raises(ValueError, match="only in simulation"):
+        kv_eval.parse_method("kv4-rot-w64-s4")  # the real backend has no fp sinks
