@@ -36,7 +36,7 @@ MODELS = {
     "jetmoe": (
         "JetMoeConfig",
         {
-            "hidden_size": 64, "num_hidden_layers": 2, "num_key_value_heads": 2, "kv_channels": 16,
+            "hidden_size": 64, "num_hidden_layers": 1, "num_key_value_heads": 2, "kv_channels": 16,
             "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
         },
         {"sdpa"},
@@ -128,7 +128,7 @@ def test_form_rewritten_and_matches_reference(name):
         {"input_ids": nxt, "attention_mask": torch.cat([mask, mask[:, :1]], 1)},
     ]
     backend = kvpass.kv4()
-    # JetMoE's deprecation wrappers share one code object and use up the default limit of 8,
+    # JetMoE's deprecation wrappers share one code object and can use up the default limit of 8,
     # after which the decode step would run uncompiled.
     with torch._dynamo.config.patch(recompile_limit=64):
         step = torch.compile(model, backend=backend)
