@@ -43,6 +43,14 @@ A site is an attention computation whose K and V lead back, through the view cha
   ``cat([past.dequantize(), new])``: what HF's cache would give it, at the cost of an fp
   copy of the cache per step (noted in the site report).
 
+A cache write that no attention reads directly, only projections of it (MLA: DeepSeek-V2/V3
+and kin cache a compressed latent and expand it into K and V after the read), is a latent
+cache: stored int4 with the V spec (per-token groups, any length), its readers given
+``cat([past.dequantize(), new])``. The attention over the expanded K and V stays as it is and
+is reported with phase ``latent``: its cache is int4, its read dequantizes the latent each step.
+A write whose view closure reaches an attention op (matmul, bmm, SDPA) that did not match
+is not a latent cache: that site stays fp16 with its reason.
+
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
 """
@@ -872,13 +880,81 @@ class _SharedWrites:
     pending: Counter = dataclasses.field(default_factory=Counter)  # cat node -> sites not rewritten yet
 
 
+# Ops that compute attention scores or outputs from a cache tensor read directly.
+ATTENTION_OPS = (*SDPA_TARGETS, *MATMUL_TARGETS, *BMM_TARGETS, torch.baddbmm)
+VIEW_METHODS = {"view", "reshape", "expand", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
+                "flatten", "unflatten", "to", "float", "type_as", "repeat", "repeat_interleave", "split", "chunk"}  # fmt: skip
+
+
+def _read_directly_by_attention(write: fx.Node) -> bool:
+    """Whether views of ``write`` (no compute in between) reach an attention op."""
+    seen, todo = set(), [write]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _is_call(user, ATTENTION_OPS):
+                return True
+            if _is_call(user, (operator.getitem, torch.split, torch.chunk, torch.transpose, torch.reshape)) or (
+                user.op == "call_method" and user.target in VIEW_METHODS
+            ):
+                todo.append(user)
+    return False
+
+
+def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> None:
+    """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
+    reads, phase = set(), "prefill"
+    for node in list(graph.nodes):
+        if node in shared.packed or not _is_sequence_cat(node) or not _is_stored(node):
+            continue
+        if _read_directly_by_attention(node):
+            continue  # an attention form that did not match reads it: that site says why
+        try:
+            write = _cache_write(node, None, "latent cache")
+            _check_packable(write, config.v, "latent cache")
+        except NoMatch as why:
+            log.debug("kvpass: cache write %s stays fp16: %s", node.name, why)
+            continue
+        write.fp_readers = list(write.others)
+        _replace_cache_write(graph, write, config.v, shared.packed)
+        # What the readers now get: the new tokens (prefill) or cat([past.dequantize(), new]).
+        reads.update(arg for reader in write.fp_readers for arg in reader.all_input_nodes)
+        if write.past is not None:
+            phase = "latent"
+        past_ctor = node.args[0][0]
+        _erase_if_dead(graph, [node])
+        if write.past is None:
+            _erase_if_dead(graph, [past_ctor])
+        counters["latent_cache_write"] += 1
+    for report, site in unmatched if reads else ():
+        if _has_ancestor(site, reads):
+            report.rewritten, report.phase = True, phase
+            report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
+            counters[f"{report.form}_{phase}_site"] += 1
+
+
+def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
+    seen, todo = set(), [node]
+    while todo and len(seen) < limit:
+        for arg in todo.pop().all_input_nodes:
+            if arg in targets:
+                return True
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return False
+
+
 def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     """Rewrite every matching attention site of ``gm`` in place; report every one found."""
     graph = gm.graph
     candidates = [(node, form) for form, (find, _) in ATTENTION_FORMS.items() for node in find(graph)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])
-    reports, matched = [], []
+    reports, matched, unmatched = [], [], []
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
         try:
@@ -886,6 +962,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             matched.append((index, module, form, attn, *_match_cache(attn, config)))
         except NoMatch as why:
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
+            unmatched.append((reports[-1], node))
             log.debug("kvpass: site %d (%s, %s) left fp16: %s", index, module, form, why)
             counters["site_left_fp16"] += 1
     # Match every site before rewriting any: a cache write may be read by several of them.
@@ -905,6 +982,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         phase = _rewrite_site(graph, attn, k, v, config, shared)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
+    _rewrite_latent_caches(graph, config, shared, unmatched)
     reports.sort(key=lambda r: r.index)
     graph.lint()
     gm.recompile()

@@ -150,3 +150,37 @@ def test_form_rewritten_and_matches_reference(name):
     model(**inputs[0], past_key_values=reference, use_cache=True)
     expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_mla_latent_cache_is_int4_and_read_dequantized():
+    """DeepSeek-V3 caches a compressed latent and projects K and V from it after the read."""
+    torch._dynamo.reset()
+    config = transformers.DeepseekV3Config(
+        **COMMON, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(0))
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    cache = DynamicCache(config=model.config)
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
+
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
+    latents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(isinstance(t, PackedKV) for t in latents)
+    assert [tuple(t.shape) for t in latents[:2]] == [(2, 1, 83, 32), (2, 1, 83, 16)]  # latent and rope key
+    assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
+
+    reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
+    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    for i, logits in enumerate(got):
+        expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
