@@ -10,6 +10,7 @@ limit, so one model's crash or hang costs only its own row.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import json
 import logging
 import re
@@ -320,6 +321,8 @@ def check_one(model_type: str) -> dict:
             model.generate(ids, max_new_tokens=4, do_sample=False)
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True)
+            # The decode step kv4 is checked on, eagerly first (cpmant fails here without kv4).
+            model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True)
     except Exception as err:  # noqa: BLE001
         return {**row, "status": "eager generation fails", "reason": _short(err)}
     if not any(isinstance(layer, DynamicLayer) for layer in cache.layers) or cache.get_seq_length() == 0:
