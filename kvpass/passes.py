@@ -310,8 +310,10 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
         raise NoMatch(f"{role} does not come from a cache write: it is graph input {buffer.name}, not written here")
     if not isinstance(_val(buffer), PackedKV):
         raise NoMatch(
-            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation; pass "
-            "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len) so it is int4 from the start"
+            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation (a plain StaticCache, "
+            "or a sliding-window layer, which stays fp); for int4 full-attention layers pass "
+            "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len), or call "
+            "kvpass.int4_static_caches(model) before generate(cache_implementation='static')"
         )
     (write,) = writes
     return _CacheWrite(write, buffer, write.args[3], chain)
