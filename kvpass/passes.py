@@ -48,8 +48,8 @@ and kin cache a compressed latent and expand it into K and V after the read), is
 cache: stored int4 with the V spec (per-token groups, any length), its readers given
 ``cat([past.dequantize(), new])``. The attention over the expanded K and V stays as it is and
 is reported with phase ``latent``: its cache is int4, its read dequantizes the latent each step.
-A write whose view closure reaches an attention op (matmul, bmm, SDPA) that did not match
-is not a latent cache: that site stays fp16 with its reason.
+A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA) that did not
+match is not a latent cache: that site stays fp16 with its reason.
 
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
@@ -883,7 +883,7 @@ class _SharedWrites:
 
 
 # Ops that compute attention scores or outputs from a cache tensor read directly.
-ATTENTION_OPS = (*SDPA_TARGETS, *MATMUL_TARGETS, *BMM_TARGETS, torch.baddbmm)
+ATTENTION_OPS = (*SDPA_TARGETS, *MATMUL_TARGETS, *BMM_TARGETS, torch.baddbmm, torch.einsum)
 VIEW_METHODS = {"view", "reshape", "expand", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
                 "flatten", "unflatten", "to", "float", "type_as", "repeat", "repeat_interleave", "split", "chunk"}  # fmt: skip
 

@@ -184,3 +184,40 @@ def test_mla_latent_cache_is_int4_and_read_dequantized():
     for i, logits in enumerate(got):
         expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+class _CacheReader(torch.nn.Module):
+    """One cache layer read either by an unrecognised attention (einsum) or through a projection."""
+
+    def __init__(self, projected: bool):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32) if projected else None
+
+    def forward(self, q, k, v, cache):
+        k, v = cache.update(k, v, 0)
+        if self.proj is not None:  # MLA-like: attention reads projections of the cache
+            k, v = self.proj(k), self.proj(v)
+        probs = torch.einsum("bhtd,bhsd->bhts", q, k).softmax(-1)
+        return torch.einsum("bhts,bhsd->bhtd", probs, v)
+
+
+@pytest.mark.parametrize("projected", [False, True], ids=["einsum-attention", "projected"])
+@torch.no_grad()
+def test_only_caches_read_through_projections_become_latent(projected):
+    torch._dynamo.reset()
+    module = _CacheReader(projected).eval()
+    step = torch.compile(module, backend=kvpass.kv4())
+    cache = DynamicCache()
+    x = torch.randn(1, 2, 70, 32)
+    step(x, x, x, cache)
+    y = torch.randn(1, 2, 1, 32)
+    got = step(y, y, y, cache)
+    # An attention form the pass does not know keeps its cache fp16; a projected one is int4.
+    assert isinstance(cache.layers[0].keys, PackedKV) == projected
+    reference = DynamicCache()
+    module(x, x, x, reference)
+    if projected:
+        spec = kvpass.kv4().config.v
+        reference.layers[0].keys = PackedKV.from_float(reference.layers[0].keys, spec).dequantize()
+        reference.layers[0].values = PackedKV.from_float(reference.layers[0].values, spec).dequantize()
+    torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)
