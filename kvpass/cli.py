@@ -110,9 +110,10 @@ def main(argv=None) -> int:
     # importing every subcommand's module up front would make `kvpass demo` pay for all.
     # --help waits for the second pass, which knows the subcommand's options.
     wants_help = [a for a in argv if a in ("-h", "--help")]
-    if wants_help and len(wants_help) == len(argv):
+    rest = [a for a in argv if a not in wants_help]
+    if wants_help and rest in ([], ["bench"]):  # no subcommand whose options to add: argparse's help
         parser.parse_args(argv)
-    known, _ = parser.parse_known_args([a for a in argv if a not in wants_help])
+    known, _ = parser.parse_known_args(rest)
     command = known.benchmark if known.command == "bench" else known.command
     add_arguments, run = _load(known._module, command)
     sub_parser = _subparser(parser, known)

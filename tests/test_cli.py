@@ -34,3 +34,12 @@ def test_help_lists_the_subcommands_own_options(command, capsys):
 def test_unknown_model_is_named_with_the_accepted_ones():
     with pytest.raises(ValueError, match=r"unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"):
         main(["explain", "llama9"])
+
+
+@pytest.mark.parametrize("command", [[], ["bench"]])
+def test_help_without_a_complete_subcommand_lists_the_choices(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert ("append" in out) if command else ("coverage" in out)
