@@ -39,7 +39,7 @@ def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:
 
 def kv4_write_(buffer: PackedKV, positions: torch.Tensor, new: torch.Tensor) -> None:
     """``buffer.index_copy_(2, positions, new)`` of a static cache, quantizing in place."""
-    ops.write_(buffer.codes, buffer.scales, positions, new.to(buffer.dtype), *ops.spec_args(buffer.spec))
+    buffer.write_(positions, new)
 
 
 def kv4_sdpa(

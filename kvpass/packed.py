@@ -43,8 +43,9 @@ class PackedKV(torch.Tensor):
       (``spec.symmetric=False``) adds a trailing dimension of 2, ``[..., 0]`` the scale and
       ``[..., 1]`` the zero point: ``fp16 [B, H, S_q, D // g, 2]`` or
       ``fp16 [B, H, S_q // g, D, 2]``;
-    * ``residual``: ``[B, H, S - S_q, D]`` in the logical dtype: tokens of a per-channel
-      group that is not full yet (always empty for ``scheme="token"``).
+    * ``residual``: ``[B, H, S - S_q, D]`` in the logical dtype: tokens not quantized yet,
+      those of a per-channel group that is not full, or the newest ``spec.window`` to
+      ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``).
 
     All three live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all three, which
@@ -124,6 +125,11 @@ class PackedKV(torch.Tensor):
         n_leaving = _leaving(pending.shape[2], self.spec)
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.spec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:])
+
+    def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
+        """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
+        ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.spec_args(self.spec))
+        return self
 
     def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> PackedKV:
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail."""
@@ -322,9 +328,7 @@ def _index_copy_impl(func, args, kwargs):
     t, dim, index, source = args
     if not _seq_dim(dim) or t.spec.scheme != "token" or isinstance(source, PackedKV):
         return NotImplemented
-    # StaticLayer.update: quantize the new tokens straight into their slots.
-    ops.write_(t.codes, t.scales, index, source.to(t.dtype), *ops.spec_args(t.spec))
-    return t
+    return t.write_(index, source)  # StaticLayer.update: straight into the slots
 
 
 @_implements(aten.copy_.default)
