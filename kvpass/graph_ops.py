@@ -37,6 +37,11 @@ def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:
     return _as_packed(past, _spec(spec)).append(new)
 
 
+def kv4_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, spec: str) -> PackedKV:
+    """``torch.zeros(shape)`` of a static cache layer allocating in the graph, as int4."""
+    return PackedKV.zeros(shape, dtype, device, _spec(spec))
+
+
 def kv4_write_(buffer: PackedKV, positions: torch.Tensor, new: torch.Tensor) -> None:
     """``buffer.index_copy_(2, positions, new)`` of a static cache, quantizing in place."""
     buffer.write_(positions, new)

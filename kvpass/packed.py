@@ -331,9 +331,45 @@ def _index_copy_impl(func, args, kwargs):
     return t.write_(index, source)  # StaticLayer.update: straight into the slots
 
 
+def _is_slot_buffer(t: PackedKV) -> bool:
+    """Every token in a slot of its own (per-token groups, nothing unquantized): a static buffer."""
+    return t.spec.scheme == "token" and t.residual.shape[2] == 0
+
+
+@_implements(aten.roll.default)
+def _roll_impl(func, args, kwargs):
+    t, shifts, dims = (list(args) + [[]][len(args) - 2 :])[:3]
+    if len(shifts) != 1 or len(dims) != 1 or not _seq_dim(dims[0]) or not _is_slot_buffer(t):
+        return NotImplemented
+    # StaticSlidingWindowLayer, once full: per-token rows move whole, so rolling is exact.
+    return PackedKV(t.codes.roll(shifts[0], 2), t.scales.roll(shifts[0], 2), t.residual, t.spec)
+
+
+@_implements(aten.index_put_.default)
+def _index_put_impl(func, args, kwargs):
+    t, indices, values = args[:3]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    slots_only = len(indices) == 3 and indices[0] is None and indices[1] is None and indices[2] is not None
+    if accumulate or not slots_only or not _is_slot_buffer(t) or isinstance(values, PackedKV):
+        return NotImplemented
+    if indices[2].dim() != 1:
+        return NotImplemented
+    # cache[:, :, positions] = new (StaticLayer's fallback write, the sliding layer's last slot);
+    # torch drops the leading size-1 dims of ``new``, so broadcast it back to [B, H, T, D].
+    B, H, _, D = t.shape
+    values = torch.broadcast_to(values, (B, H, indices[2].numel(), D))
+    return t.write_(indices[2] % t.shape[2], values)
+
+
 @_implements(aten.copy_.default)
 def _copy_impl(func, args, kwargs):
     dst, src = args[:2]
+    if isinstance(dst, PackedKV) and not isinstance(src, PackedKV) and _is_slot_buffer(dst):
+        if src.shape != dst.shape:
+            return NotImplemented
+        # Overwriting every slot (the sliding layer keeping its newest tokens): quantize in place,
+        # so the buffers keep their addresses.
+        return dst.write_(torch.arange(dst.shape[2], device=src.device), src)
     if not (isinstance(dst, PackedKV) and isinstance(src, PackedKV)) or dst.spec != src.spec:
         return NotImplemented
     if any(getattr(dst, n).shape != getattr(src, n).shape for n in ("codes", "scales", "residual")):

@@ -139,6 +139,9 @@ class _CacheWrite:
     fp_readers: list[fx.Node] = dataclasses.field(default_factory=list)
     extra: fx.Node | None = None  # exact entries attention reads after the cache: cat([write, extra])
     heads: list[int] | None = None  # the stored head each head attention reads comes from (DiffLlama's V)
+    # Attention reads the new tokens themselves, not the buffer they are copied into (a sliding
+    # layer whose first write overflows its window keeps only the newest tokens).
+    reads_new: bool = False
 
 
 def _val(node):
@@ -256,8 +259,16 @@ def _tiles(chain: list[fx.Node]) -> int:
 
 def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     root, chain = _walk_view_chain(arg)
-    if root.op == "placeholder":
+    if _is_sequence_prefix(root):
+        # StaticLayer.update returns buffer[:, :, :kv_length] when the length is known
+        chain, root = [*chain, root], root.args[0]
+        if not (root.op == "placeholder" or _is_buffer_ctor(root)):
+            raise NoMatch(f"{role} reads a prefix of {root.name}, which is not a static cache buffer")
+    if root.op == "placeholder" or _is_buffer_ctor(root):
         return _static_cache_write(root, chain, role)
+    overflow = _window_overflow_write(root)
+    if overflow is not None:
+        return _CacheWrite(overflow, overflow.args[0], root, chain, reads_new=True)
     if not _is_sequence_cat(root):
         raise NoMatch(
             f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}"
@@ -300,15 +311,32 @@ def _is_stored(write: fx.Node) -> bool:
     return any(n.op == "output" or _is_stored_sequence_slice(n) for n in write.users)
 
 
+def _is_buffer_ctor(node: fx.Node) -> bool:
+    """``torch.zeros((B, H, S, D), ...)``: a static cache layer allocating inside the graph."""
+    return _is_call(node, (torch.zeros,)) and isinstance(_val(node), torch.Tensor) and _val(node).dim() == 4
+
+
+def _is_sequence_prefix(node: fx.Node) -> bool:
+    """``x[:, :, :n]`` or ``x[:, :, :n, :]``."""
+    return _is_sequence_slice(node) and node.args[1][2].start in (None, 0)
+
+
 def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _CacheWrite:
-    """``buffer.index_copy_(2, positions, new)`` into a preallocated cache, then attention over it."""
+    """``buffer.index_copy_(2, positions, new)`` into a preallocated cache, then attention over it.
+
+    The buffer is a graph input (allocated by an earlier forward) or allocated in this graph
+    (the layer's first forward, compiled): ``past`` is then the ``torch.zeros`` node.
+    """
     writes = [
         n for n in buffer.users
         if n.op == "call_method" and n.target == "index_copy_" and n.args[1] in (2, -2)
-    ]  # fmt: skip
+    ] or [n for n in buffer.users if _is_roll_write(buffer, n)]  # fmt: skip
     if len(writes) != 1:
-        raise NoMatch(f"{role} does not come from a cache write: it is graph input {buffer.name}, not written here")
-    if not isinstance(_val(buffer), PackedKV):
+        raise NoMatch(f"{role} does not come from a cache write: it is {buffer.name}, not written here")
+    if _is_buffer_ctor(buffer):
+        if not _is_stored(buffer):
+            raise NoMatch(f"{role} buffer {buffer.name} is allocated in the graph but not kept by the cache")
+    elif not isinstance(_val(buffer), PackedKV):
         raise NoMatch(
             f"{role} static cache buffer {buffer.name} is fp, allocated before compilation (a plain StaticCache, "
             "or a sliding-window layer, which stays fp); for int4 full-attention layers pass "
@@ -316,19 +344,57 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
             "kvpass.int4_static_caches(model) before generate(cache_implementation='static')"
         )
     (write,) = writes
+    if write.target == "copy_":
+        (setitem,) = [n for n in write.args[1].users if _is_call(n, (operator.setitem,))]
+        return _CacheWrite(write, buffer, setitem.args[2], chain)
     return _CacheWrite(write, buffer, write.args[3], chain)
 
 
-def _is_stored_sequence_slice(node: fx.Node) -> bool:
-    """``x[:, :, a:b, :]`` (a slice of the sequence only) whose result only goes to the cache."""
-    if node.op != "call_function" or node.target is not operator.getitem:
+def _window_overflow_write(new: fx.Node) -> fx.Node | None:
+    """``buffer.copy_(new[:, :, -window:])`` into a buffer this graph allocates, if there is one.
+
+    ``StaticSlidingWindowLayer``'s first update with more tokens than its window: it keeps the
+    newest and attends over all of ``new``.
+    """
+    for user in new.users:
+        if not _is_sequence_slice(user):
+            continue
+        for copy in user.users:
+            if copy.op == "call_method" and copy.target == "copy_" and copy.args[1] is user and _is_buffer_ctor(copy.args[0]):
+                return copy
+    return None
+
+
+def _is_roll_write(buffer: fx.Node, node: fx.Node) -> bool:
+    """``buffer.copy_(rolled)`` where ``rolled = buffer.roll(-1, dims=-2); rolled[:, :, index] = new``.
+
+    A full ``StaticSlidingWindowLayer``'s decode step; PackedKV runs all three in int4, in place.
+    """
+    if not (node.op == "call_method" and node.target == "copy_" and node.args[0] is buffer):
+        return False
+    rolled = node.args[1]
+    if not (isinstance(rolled, fx.Node) and rolled.op == "call_method" and rolled.target == "roll"):
+        return False
+    dims = rolled.kwargs.get("dims", rolled.args[2] if len(rolled.args) > 2 else None)
+    setitems = [n for n in rolled.users if _is_call(n, (operator.setitem,))]
+    return rolled.args[0] is buffer and dims in (2, -2, (2,), (-2,)) and len(setitems) == 1
+
+
+def _is_sequence_slice(node: fx.Node) -> bool:
+    """``x[:, :, a:b, :]``: a slice of the sequence only."""
+    if not _is_call(node, (operator.getitem,)):
         return False
     index = node.args[1]
     if not isinstance(index, tuple) or len(index) < 3 or not isinstance(index[2], slice):
         return False
     full = slice(None, None, None)
     others_full = all(i == full or i is Ellipsis for j, i in enumerate(index) if j != 2)
-    return others_full and index[2].step in (None, 1) and all(u.op == "output" for u in node.users)
+    return others_full and index[2].step in (None, 1)
+
+
+def _is_stored_sequence_slice(node: fx.Node) -> bool:
+    """A sequence slice whose result only goes to the cache."""
+    return _is_sequence_slice(node) and all(u.op == "output" for u in node.users)
 
 
 def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
@@ -707,7 +773,7 @@ def _is_static(write: _CacheWrite) -> bool:
 def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _CacheWrite]:
     k = _cache_write(attn.key, attn.key_reader, "K")
     v = _cache_write(attn.value, attn.value_reader, "V")
-    if (k.past is None) != (v.past is None) or _is_static(k) != _is_static(v):
+    if (k.past is None) != (v.past is None) or _is_static(k) != _is_static(v) or k.reads_new != v.reads_new:
         raise NoMatch("K and V caches are in different states (one empty or static, the other not)")
     attn.tiles = _tiles(k.chain)
     if attn.tiles != _tiles(v.chain):
@@ -721,7 +787,15 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
     if _is_static(k):
         if attn.tiles > 1 or attn.sink is not None or v.heads is not None:
             raise NoMatch("a static cache read with heads tiled by repeat or with an attention sink")
-        return k, v  # the buffers' own specs apply; they were chosen when they were allocated
+        for write, spec, role in ((k, config.k, "K"), (v, config.v, "V")):
+            if _is_buffer_ctor(write.past):
+                _check_packable(write, spec, role)
+                if spec.scheme != "token":
+                    raise NoMatch(
+                        f"{role} is a static cache and kv4 fills its slots one write at a time; "
+                        f"scheme={spec.scheme!r} needs its tokens in order, per-token groups ('token') do not"
+                    )
+        return k, v  # a graph input's buffer keeps the spec it was allocated with
     if k.node is v.node and config.k != config.v:
         raise NoMatch(f"K and V are one cache tensor {k.node.name} (shared-KV MQA), so they need one quantization spec")
     _check_packable(k, config.k, "K")
@@ -804,21 +878,49 @@ def _build_mask(graph: fx.Graph, attn: _Attention) -> None:
     attn.attn_mask = mask
 
 
+def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> QuantSpec:
+    """The buffer ``write`` fills, as int4: allocated so when the graph allocates it."""
+    if not _is_buffer_ctor(write.past):
+        return write.past.meta["example_value"].spec  # allocated with its spec by an earlier forward
+    spec = dataclasses.replace(spec, window=0)  # fixed slots are quantized as they are written
+    ctor, val = write.past, _val(write.past)
+    with graph.inserting_before(ctor):
+        packed = graph.call_function(
+            graph_ops.kv4_zeros, (tuple(val.shape),), {"dtype": val.dtype, "device": val.device, "spec": spec.tag}
+        )  # fmt: skip
+    _copy_meta(ctor, packed)
+    ctor.replace_all_uses_with(packed)
+    graph.erase_node(ctor)
+    write.past = packed
+    return spec
+
+
+def _static_read(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
+    """The buffer, or the prefix of it that attention read."""
+    prefix = [n for n in write.chain if _is_sequence_prefix(n)]
+    if not prefix:
+        return write.past
+    return graph.call_function(operator.getitem, (write.past, prefix[0].args[1]))
+
+
 def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig):
     # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
-    # HF's mask hides the slots not written yet.
+    # HF's mask (or the prefix HF reads) hides the slots not written yet.
     _build_mask(graph, attn)
+    specs = [_packed_buffer(graph, write, spec) for write, spec in ((k, config.k), (v, config.v))]
     for write in (k, v):
+        if write.node.target == "copy_":
+            continue  # a sliding layer's roll, slot write and copy back are int4 already
         with graph.inserting_before(write.node):
             graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
         graph.erase_node(write.node)
     with graph.inserting_before(attn.output):
         fused = graph.call_function(
             graph_ops.kv4_sdpa,
-            (attn.query, k.past, None, v.past, None),
+            (attn.query, _static_read(graph, k), None, _static_read(graph, v), None),
             {
                 "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
-                "k_spec": k.past.meta["example_value"].spec.tag, "v_spec": v.past.meta["example_value"].spec.tag,
+                "k_spec": specs[0].tag, "v_spec": specs[1].tag,
                 **({"softcap": attn.softcap} if attn.softcap else {}),
             },
         )  # fmt: skip
@@ -830,6 +932,10 @@ def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _
 def _rewrite_site(
     graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites
 ) -> str:
+    if k.reads_new and v.reads_new:
+        for write, spec in ((k, config.k), (v, config.v)):
+            _packed_buffer(graph, write, spec)  # PackedKV's copy_ quantizes the kept tokens in place
+        return "prefill"
     if _is_static(k):
         return _rewrite_static_site(graph, attn, k, v, config)
     for write, spec in ((k, config.k), (v, config.v)):

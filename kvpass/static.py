@@ -1,24 +1,28 @@
-"""An HF ``StaticCache`` whose attention layers are int4 from the first allocation.
+"""HF static caches whose attention layers are int4 from the first allocation.
 
-HF's ``StaticLayer`` allocates fp buffers of the final size before any graph runs, so a
-graph rewrite alone cannot make a static cache int4. ``StaticKVCache`` allocates
-:class:`~kvpass.packed.PackedKV` buffers instead; ``StaticLayer.update``'s ``index_copy_``
-then quantizes new tokens into their slots in place (``kv4::write_``), and the kv4 pass
-turns the attention over the buffer into ``kv4::attention``.
+A static layer allocates its buffers at their final size on its first ``update``. When that
+forward is compiled (``model.compile(backend="kv4")`` and ``cache_implementation="static"``),
+the allocation is in the graph and the kv4 pass allocates int4 buffers itself. When it runs
+eagerly, before any graph exists, the buffers are fp unless the layer is one of these:
+
+``StaticKVCache`` allocates :class:`~kvpass.packed.PackedKV` buffers instead; the layer's
+``index_copy_`` then quantizes new tokens into their slots in place (``kv4::write_``), and
+the kv4 pass turns the attention over the buffer into ``kv4::attention``.
 
     cache = kvpass.StaticKVCache(model.config, max_cache_len=4096)
     model.compile(backend="kv4")
     model.generate(ids, past_key_values=cache, max_new_tokens=256)
 
-``generate``'s own static cache (``cache_implementation="static"``) is a plain ``StaticCache``
-built inside ``generate`` (no hook takes a cache class) and allocated in its eager prefill.
+``generate``'s own compile route (``compile_config``) runs the prefill eagerly, in a plain
+``StaticCache`` built inside ``generate`` (no hook takes a cache class).
 :func:`int4_static_caches` opts one model in: before each eager forward it gives a fresh
 static cache int4 layers, so that route is int4 too:
 
     kvpass.static.int4_static_caches(model)
     model.generate(ids, cache_implementation="static", compile_config=CompileConfig(backend="kv4"))
 
-Sliding-window static layers keep HF's own fp buffers (their update rolls the buffer).
+Sliding-window layers are int4 as well: once full, their update rolls the buffer and writes
+the last slot, which PackedKV does in int4, in place (per-token rows move whole).
 """
 
 from __future__ import annotations
@@ -28,20 +32,21 @@ import dataclasses
 import weakref
 
 import torch
-from transformers.cache_utils import StaticCache, StaticLayer
+from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
 
-class PackedStaticLayer(StaticLayer):
-    def __init__(self, max_cache_len: int, k_spec: QuantSpec, v_spec: QuantSpec, **kwargs):
-        super().__init__(max_cache_len=max_cache_len, **kwargs)
+class _PackedBuffers:
+    """``StaticLayer.lazy_initialization`` with PackedKV buffers in place of fp zeros."""
+
+    def __init__(self, *args, k_spec: QuantSpec, v_spec: QuantSpec, **kwargs):
+        super().__init__(*args, **kwargs)
         self.k_spec, self.v_spec = k_spec, v_spec
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        # StaticLayer's own allocation, with PackedKV buffers in place of fp zeros.
         self.device = key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
@@ -57,12 +62,31 @@ class PackedStaticLayer(StaticLayer):
         self.is_initialized = True
 
 
+class PackedStaticLayer(_PackedBuffers, StaticLayer):
+    pass
+
+
+class PackedStaticSlidingWindowLayer(_PackedBuffers, StaticSlidingWindowLayer):
+    """Once full, its update rolls the buffer and writes the last slot: PackedKV does both in int4."""
+
+
+def _packed_twin(layer: StaticLayer, k_spec: QuantSpec, v_spec: QuantSpec) -> StaticLayer:
+    if type(layer) is StaticSlidingWindowLayer:
+        # max_cache_len is already min(window, max_cache_len); croppability was decided from both
+        packed = PackedStaticSlidingWindowLayer(layer.max_cache_len, layer.max_cache_len, k_spec=k_spec, v_spec=v_spec)
+        packed._is_croppable = layer.is_croppable
+        return packed
+    return PackedStaticLayer(layer.max_cache_len, k_spec=k_spec, v_spec=v_spec)
+
+
 def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> None:
-    """Give ``cache``'s full-attention layers that hold no token yet int4 buffers, in place."""
+    """Give ``cache``'s attention layers that hold no token yet int4 buffers, in place."""
     layers = []
     for layer in cache.layers:
-        if type(layer) is StaticLayer and (not layer.is_initialized or int(layer.cumulative_length) == 0):
-            packed = PackedStaticLayer(layer.max_cache_len, k_spec, v_spec)
+        if type(layer) in (StaticLayer, StaticSlidingWindowLayer) and (
+            not layer.is_initialized or int(layer.cumulative_length) == 0
+        ):
+            packed = _packed_twin(layer, k_spec, v_spec)
             if layer.is_initialized:
                 # Allocated ahead of its first forward (early_initialization): same shapes, int4.
                 packed.lazy_initialization(layer.keys[:, :, :0], layer.values[:, :, :0])
@@ -91,9 +115,8 @@ def int4_static_caches(model: torch.nn.Module, k_spec: QuantSpec | None = None, 
 
     A forward pre-hook (remove it with the returned handle's ``remove()``). It acts on eager
     calls only, where ``generate`` runs the prefill that allocates the buffers; a compiled
-    forward traces it as a no-op, so it adds no guard and no graph break. A cache whose first
-    forward is compiled (``model.compile``, or generate's chunked prefill under
-    ``compile_config``) therefore stays fp, and the kv4 report says so.
+    forward traces it as a no-op, so it adds no guard and no graph break (a cache first
+    filled by a compiled forward is allocated int4 by the kv4 pass itself).
     """
     specs = _specs(k_spec, v_spec)
     seen = weakref.WeakSet()  # each cache once, at its first forward: later steps pay nothing

@@ -237,6 +237,38 @@ def test_copy_between_packed_caches_copies_the_stored_form(spec):
         assert torch.equal(getattr(target, name), getattr(p, name))
 
 
+
+# --- a static sliding-window layer's update: roll, write the last slot, copy back ----------
+
+SLOT_SPECS = [QuantSpec(4, "token", 128), QuantSpec(4, "token", 32, rotate=True, symmetric=False)]
+
+
+@pytest.mark.parametrize("slot_spec", SLOT_SPECS, ids=lambda s: s.tag)
+def test_sliding_static_update_is_exact_in_int4_and_keeps_addresses(slot_spec):
+    x, p = _packed(slot_spec, S=40)
+    stored = p.dequantize()
+    addresses = p.codes.data_ptr(), p.scales.data_ptr()
+    rolled = p.roll(-1, dims=-2)
+    assert isinstance(rolled, PackedKV)
+    new = torch.randn(3, 2, 1, 64, dtype=x.dtype)
+    rolled[:, :, torch.tensor([-1])] = new  # torch drops new's leading dims before index_put_
+    p.copy_(rolled)
+    # whole rows move (nothing requantized) and only the new token is quantized
+    assert torch.equal(p.dequantize(), torch.cat([stored[:, :, 1:], quantize_dequantize(new, slot_spec)], dim=2))
+    assert (p.codes.data_ptr(), p.scales.data_ptr()) == addresses
+
+
+@pytest.mark.parametrize("slot_spec", SLOT_SPECS, ids=lambda s: s.tag)
+def test_copying_floats_into_a_slot_buffer_quantizes_them_in_place(slot_spec):
+    """A sliding layer's first update past its window keeps the newest tokens: ``copy_`` from fp."""
+    p = PackedKV.zeros((3, 2, 40, 64), torch.float16, "cpu", slot_spec)
+    addresses = p.codes.data_ptr(), p.scales.data_ptr()
+    x = torch.randn(3, 2, 40, 64, dtype=torch.float16)
+    p.copy_(x)
+    assert torch.equal(p.dequantize(), quantize_dequantize(x, slot_spec))
+    assert (p.codes.data_ptr(), p.scales.data_ptr()) == addresses
+
+
 # --- an unquantized window of the newest tokens ---------------------------------------------
 
 WINDOWED = [QuantSpec(4, "token", 64, window=64), QuantSpec(4, "token", 32, rotate=True, window=32)]

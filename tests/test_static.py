@@ -1,5 +1,6 @@
 """Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
 
+import pytest
 import torch
 from transformers import StaticCache
 from transformers.generation import CompileConfig
@@ -73,15 +74,56 @@ def test_generate_compile_route_with_a_static_kv_cache():
     assert sites and all(site.rewritten for site in sites)
 
 
-def test_plain_static_cache_stays_fp_and_says_how_to_get_int4():
+@pytest.mark.parametrize(
+    "name, prompt, inner",
+    [
+        ("llama", 30, "eager"),
+        ("llama", 30, "aot_eager"),
+        ("gemma2", 30, "eager"),  # the sliding layer fills its 32 slots, then rolls
+        ("gemma2", 30, "aot_eager"),
+        ("gemma2", 40, "eager"),  # the prompt overflows the window: the layer keeps the newest 32
+        ("mistral", 40, "eager"),  # sliding layers only
+    ],
+)
+def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_graph(name, prompt, inner):
+    """``model.compile`` + ``cache_implementation="static"``: the layers allocate inside the first
+    graph, which then allocates int4 buffers (no fp zeros), and every later step stays int4."""
+    torch._dynamo.reset()
+    model = build(name)
+    backend = kvpass.kv4(inner=inner)
+    model.compile(backend=backend)
+    out = model.generate(
+        _prompt(prompt), max_new_tokens=8, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    layers = out.cache.layers
+    assert all(isinstance(t, PackedKV) for layer in layers for t in (layer.keys, layer.values))
+    prefill = backend.graphs[0]
+    assert "torch.zeros" in prefill.before and "torch.zeros" not in prefill.after
+    assert "kv4_zeros" in prefill.after
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten for site in sites)
+    torch._dynamo.reset()
+    eager = build(name)
+    size = max(layer.max_cache_len for layer in layers)
+    expected = eager.generate(
+        _prompt(prompt), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(eager.config, max_cache_len=size)
+    )
+    assert torch.equal(out.sequences, expected)
+
+
+def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4():
     torch._dynamo.reset()
     model = build("llama")
     backend = kvpass.kv4()
     model.compile(backend=backend)
-    model.generate(_prompt(), max_new_tokens=3, do_sample=False, past_key_values=StaticCache(model.config, max_cache_len=64))
-    decode_sites = [site for graph in backend.graphs[1:] for site in graph.sites]
-    assert decode_sites and not any(site.rewritten for site in decode_sites)
-    assert all("kvpass.StaticKVCache" in site.reason for site in decode_sites)
+    config = model.config
+    cache = StaticCache(config, max_cache_len=64)
+    cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
+    model.generate(_prompt(), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and not any(site.rewritten for site in sites)
+    assert all("kvpass.StaticKVCache" in site.reason for site in sites)
+    assert not isinstance(cache.layers[0].keys, PackedKV)
 
 
 def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
