@@ -2,8 +2,8 @@
 
 Bit-exact with :func:`kvpass.reference.quantize`: same fp32 division (correctly rounded,
 not the approximate division Triton emits for ``/``), same fp16 scale rounding, same
-round-half-to-even, same codes for non-finite groups, for the symmetric grid and the
-asymmetric one (scale and zero point per group, stored as ``scales[..., 0]`` and
+round-half-to-even, same codes for non-finite groups, for the symmetric grid (absmax or
+clipped scales) and the asymmetric one (scale and zero point per group, stored as ``scales[..., 0]`` and
 ``scales[..., 1]``).
 """
 
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvpass.config import QuantSpec
+from kvpass.reference import CLIP_ERROR_UNIT
 
 SCALE_DTYPE = torch.float16
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -23,6 +24,7 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # integer, ties to even: torch.round's rule, with no libdevice call (the interpreter and
 # every backend agree on it).
 _ROUND_MAGIC = 12582912.0
+_CLIP_ERROR_UNIT: tl.constexpr = CLIP_ERROR_UNIT
 
 
 @triton.jit
@@ -39,16 +41,43 @@ def _scale_from(amax, non_finite, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _codes_from(x, scale, QMAX: tl.constexpr):
+def _codes_from(x, scale, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr):
     scale = scale.to(tl.float32)
     safe = tl.where((scale == 0) | (scale != scale), 1.0, scale)
     y = _div_rn(x, safe)
-    # Clamping before rounding equals rounding before clamping (QMAX is an integer) and keeps
-    # inf inside the range where the magic-number rounding is exact. NaN -> 0, as
+    # Clamping before rounding equals rounding before clamping (the bounds are integers) and
+    # keeps inf inside the range where the magic-number rounding is exact. NaN -> 0, as
     # torch's NaN-to-int8 conversion gives.
-    y = tl.minimum(tl.maximum(y, -QMAX * 1.0), QMAX * 1.0)
+    y = tl.minimum(tl.maximum(y, CODE_MIN * 1.0), CODE_MAX * 1.0)
     y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
     return tl.where(x != x, 0, y.to(tl.int32))
+
+
+@triton.jit
+def _clipped_scale(x, non_finite, QMAX: tl.constexpr, AXIS: tl.constexpr):
+    """The least-squared-error scale of :func:`kvpass.reference.clip_divisors`' candidates per
+    group (``AXIS`` reduced), errors in integer units so the sum is exact in any order."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
+    unit = tl.expand_dims(tl.where((amax == 0) | non_finite, 1.0, amax), AXIS)
+    finite = tl.expand_dims(~non_finite, AXIS)
+    STEP: tl.constexpr = (QMAX + 1) / 16
+    best = amax.to(tl.float16)
+    best_error = tl.full(amax.shape, 2147483647, tl.int32)  # every candidate's error is below 2**29
+    for k in tl.static_range(8):
+        for negative in tl.static_range(2):
+            scale = _div_rn(amax, QMAX + k * STEP).to(tl.float16)
+            if negative:
+                scale = -scale
+            scale32 = tl.expand_dims(scale.to(tl.float32), AXIS)
+            codes = _codes_from(x, scale32, -QMAX - 1, QMAX)
+            # code * scale is exact in fp32: an fma or two roundings give the same error
+            e = _div_rn(codes.to(tl.float32) * scale32 - x, unit)
+            units = (tl.where(finite, e * e, 0.0) * _CLIP_ERROR_UNIT + 0.5).to(tl.int32)  # floor: units >= 0
+            error = tl.sum(units, axis=AXIS)
+            better = error < best_error
+            best = tl.where(better, scale, best)
+            best_error = tl.where(better, error, best_error)
+    return tl.where(non_finite, float("nan"), best)
 
 
 @triton.jit
@@ -102,11 +131,13 @@ def _quantize_token_kernel(
     SC, stride_sb, stride_sh, stride_ss, stride_sg, stride_sp,
     H, S, D, n_groups,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     QMAX: tl.constexpr = (1 << BITS) - 1 if ASYM else (1 << (BITS - 1)) - 1
+    CODE_MIN: tl.constexpr = -QMAX - 1 if CLIP else -QMAX
     PER_BYTE: tl.constexpr = 8 // BITS
     N_GROUPS: tl.constexpr = BLOCK_D // GROUP
 
@@ -133,10 +164,13 @@ def _quantize_token_kernel(
         zero_per_elem = tl.reshape(tl.broadcast_to(zero[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
         packed = _pack(_asym_codes_from(x, scale_per_elem, zero_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS, False)
     else:
-        scale = _scale_from(tl.max(tl.abs(groups), axis=2), non_finite, QMAX)
+        if CLIP:
+            scale = _clipped_scale(groups, non_finite, QMAX, 2)
+        else:
+            scale = _scale_from(tl.max(tl.abs(groups), axis=2), non_finite, QMAX)
         tl.store(scale_ptrs, scale, mask=scale_mask)
         scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
-        packed = _pack(_codes_from(x, scale_per_elem, QMAX), BLOCK_S, BLOCK_D, BITS, True)
+        packed = _pack(_codes_from(x, scale_per_elem, CODE_MIN, QMAX), BLOCK_S, BLOCK_D, BITS, True)
     offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
     tl.store(
         C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
@@ -151,13 +185,14 @@ def _quantize_channel_kernel(
     C, stride_cb, stride_ch, stride_cs, stride_cd,
     SC, stride_sb, stride_sh, stride_ss, stride_sd, stride_sp,
     H, D,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr, CLIP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
     group_idx = tl.program_id(1)
     QMAX: tl.constexpr = (1 << BITS) - 1 if ASYM else (1 << (BITS - 1)) - 1
+    CODE_MIN: tl.constexpr = -QMAX - 1 if CLIP else -QMAX
     PER_BYTE: tl.constexpr = 8 // BITS
 
     offs_s = group_idx * GROUP + tl.arange(0, GROUP)
@@ -176,9 +211,12 @@ def _quantize_channel_kernel(
         tl.store(scale_ptrs + stride_sp, zero, mask=offs_d < D)
         packed = _pack(_asym_codes_from(x, scale[None, :], zero[None, :], QMAX), GROUP, BLOCK_D, BITS, False)
     else:
-        scale = _scale_from(tl.max(tl.abs(x), axis=0), non_finite, QMAX)
+        if CLIP:
+            scale = _clipped_scale(x, non_finite, QMAX, 0)
+        else:
+            scale = _scale_from(tl.max(tl.abs(x), axis=0), non_finite, QMAX)
         tl.store(scale_ptrs, scale, mask=offs_d < D)
-        packed = _pack(_codes_from(x, scale[None, :], QMAX), GROUP, BLOCK_D, BITS, True)
+        packed = _pack(_codes_from(x, scale[None, :], CODE_MIN, QMAX), GROUP, BLOCK_D, BITS, True)
     offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
     tl.store(
         C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
@@ -253,13 +291,13 @@ def quantize(
         _quantize_token_kernel[grid](
             x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
             H, S, D, n_groups,
-            BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d, ASYM=asym,
+            BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d, ASYM=asym, CLIP=spec.clip,
         )
     else:
         grid = (B * H, S // spec.group)
         _quantize_channel_kernel[grid](
             x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
             H, D,
-            BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d, ASYM=asym,
+            BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d, ASYM=asym, CLIP=spec.clip,
         )
     return codes, scales

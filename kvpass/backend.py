@@ -98,6 +98,7 @@ def kv4(
     k_symmetric: bool | None = None,
     v_symmetric: bool | None = None,
     window: int = _DEFAULT.k.window,
+    clip: bool | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -109,7 +110,9 @@ def kv4(
     per channel, KIVI-style, with an unquantized residual); ``*_rotate`` applies a Hadamard
     rotation of the head dimension before quantizing. ``symmetric=False`` stores a zero
     point per group (asymmetric grid, codes ``0..2**bits - 1``) for both K and V unless
-    ``k_symmetric``/``v_symmetric`` say otherwise. ``window`` keeps the newest ``window`` to
+    ``k_symmetric``/``v_symmetric`` say otherwise. ``clip`` picks each symmetric group's scale
+    for the least squared error instead of ``amax / qmax`` (default: on for symmetric grids,
+    off for asymmetric ones, which cannot clip). ``window`` keeps the newest ``window`` to
     ``window + 63`` tokens of K and V unquantized (per-token schemes; static caches keep
     none). ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
@@ -117,14 +120,16 @@ def kv4(
     logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
     Raises ``ValueError`` naming any setting outside what is accepted.
     """
+    k_symmetric = symmetric if k_symmetric is None else k_symmetric
+    v_symmetric = symmetric if v_symmetric is None else v_symmetric
     config = KVConfig(
         k=QuantSpec(
-            bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate,
-            symmetric=symmetric if k_symmetric is None else k_symmetric, window=window if k_scheme == "token" else 0,
+            bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
+            window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
         ),
         v=QuantSpec(
-            bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate,
-            symmetric=symmetric if v_symmetric is None else v_symmetric, window=window,
+            bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
+            window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
         ),
         inner=inner,
         debug=debug,

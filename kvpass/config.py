@@ -31,6 +31,10 @@ class QuantSpec:
     ``-qmax..qmax``; ``symmetric=False`` stores a scale and a zero point (the group's
     minimum) per group and unsigned codes ``0..2**bits - 1`` (see :mod:`kvpass.reference`).
 
+    ``clip=True`` (symmetric only) chooses each group's scale among clipped candidates
+    ``±amax / t`` for the least squared error, on the full signed grid ``-(qmax+1)..qmax``:
+    the same bytes, a smaller mean error, a larger worst case (:mod:`kvpass.reference`).
+
     ``window=W`` (per-token scheme) keeps the newest ``W`` to ``W + 63`` tokens unquantized
     in the residual; tokens are quantized ``WINDOW_BLOCK`` (64) at a time as they leave it.
     A cache of ``S`` tokens holds ``max(S - W, 0) // 64 * 64`` of them quantized.
@@ -47,6 +51,9 @@ class QuantSpec:
     symmetric: bool = True
     # Newest tokens kept unquantized: the ones every next token attends to most, cheap at long context.
     window: int = 0
+    # Least-squared-error scale per group instead of absmax / qmax: most groups are better off
+    # clipping their largest element, which absmax spends a whole code level on.
+    clip: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -59,6 +66,10 @@ class QuantSpec:
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (tokens kept unquantized), got {self.window!r}")
+        if not isinstance(self.clip, bool):
+            raise ValueError(f"clip must be True or False, got {self.clip!r}")
+        if self.clip and not self.symmetric:
+            raise ValueError("clip=True needs symmetric=True; asymmetric groups span their min..max, use clip=False")
         if self.window and self.scheme != "token":
             raise ValueError(
                 f"window={self.window} needs scheme='token'; per-channel groups already keep the "
@@ -67,31 +78,44 @@ class QuantSpec:
 
     @property
     def tag(self) -> str:
-        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym][:w64]``.
+        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym|:mse][:w64]``.
 
-        Symmetric specs keep the tags they always had (no suffix)."""
+        Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
             f"int{self.bits}:{self.scheme}:{self.group}"
             + (":rot" if self.rotate else "")
             + ("" if self.symmetric else ":asym")
+            + (":mse" if self.clip else "")
             + (f":w{self.window}" if self.window else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        bits, scheme, group, *flags = tag.split(":")
-        window = [f for f in flags if f.startswith("w") and f[1:].isdigit()]
-        if [f for f in flags if f not in window] not in ([], ["rot"], ["asym"], ["rot", "asym"]) or len(window) > 1:
-            raise ValueError(f"bad QuantSpec tag {tag!r}: expected int<bits>:<scheme>:<group>[:rot][:asym][:w<tokens>]")
-        return cls(
-            int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags, symmetric="asym" not in flags,
-            window=int(window[0][1:]) if window else 0,
-        )  # fmt: skip
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>]"
+        try:
+            bits, scheme, group, *flags = tag.split(":")
+            window = [f for f in flags if f.startswith("w") and f[1:].isdigit()]
+            spec = cls(
+                int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
+                symmetric="asym" not in flags, window=int(window[0][1:]) if window else 0, clip="mse" in flags,
+            )  # fmt: skip
+        except ValueError as error:
+            raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
+        if spec.tag != tag:  # unknown, repeated or reordered flags
+            raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected}")
+        return spec
 
     @property
     def qmax(self) -> int:
         """Largest code magnitude of the symmetric grid: 7 for int4."""
         return 2 ** (self.bits - 1) - 1
+
+    @property
+    def code_min(self) -> int:
+        """Smallest code: ``-qmax`` (absmax), ``-(qmax + 1)`` (``clip``), 0 (asymmetric)."""
+        if not self.symmetric:
+            return 0
+        return -self.qmax - 1 if self.clip else -self.qmax
 
     @property
     def code_max(self) -> int:
@@ -113,8 +137,8 @@ class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
     # Chosen by measured streaming perplexity on SmolLM2 (docs/eval.md, docs/design.md).
-    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
-    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
+    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
+    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.
     debug: bool = False

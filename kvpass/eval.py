@@ -23,7 +23,9 @@ Methods (``--methods``, comma separated):
   (K and V per-token groups of 64, no rotation); ``int8`` / ``int2``: the default scheme
   with ``bits=8`` / ``bits=2``. Suffixes, in this order: ``-gN`` sets every group size to N
   (e.g. ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``), ``-kN`` / ``-vN``
-  the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid.
+  the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid, ``-mse`` clipped
+  least-error scales (``kvpass.kv4(clip=True)``; the named variants, ``int8`` and ``int2``
+  keep ``amax / qmax`` scales without it, as when they were first measured).
 * ``-wW`` keeps the newest W to W+63 tokens unquantized (real kv4: ``kvpass.kv4(window=W)``).
   Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
@@ -67,7 +69,7 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
-                     r"(?P<sym>-asym|-sym)?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
+                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 
 
@@ -121,7 +123,7 @@ def parse_method(name: str) -> Method:
     if m is None:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
-            "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym suffixes, "
+            "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse suffixes, "
             "a sim- prefix, -wW (fp window), and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
@@ -143,6 +145,8 @@ def parse_method(name: str) -> Method:
             kwargs[which] = int(m[which])
     if m["sym"]:
         kwargs["symmetric"] = m["sym"] == "-sym"
+    if m["clip"] or variant or m["base"] != "kv4":
+        kwargs["clip"] = bool(m["clip"])
     window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
     if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):
@@ -451,7 +455,7 @@ def machine() -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
-                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym], and for "
+                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse], and for "
                              "sim- only [-wW fp window][-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")

@@ -6,7 +6,8 @@ on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
 
 A :class:`~kvpass.config.QuantSpec` crosses the op boundary as five scalars
 (``bits, scheme, group, rotate, symmetric``) because custom-op schemas take no
-dataclasses. An asymmetric spec's zero points travel inside ``scales`` (a trailing
+dataclasses; the ops that quantize take ``clip`` after them (:func:`codec_args`), the
+ones that only read do not need it (a clipped scale decodes like any other). An asymmetric spec's zero points travel inside ``scales`` (a trailing
 dimension of 2, see :mod:`kvpass.reference`), so the tensor arguments are the same for both.
 """
 
@@ -27,7 +28,13 @@ SPEC_ARGS = 5  # scalars per QuantSpec in an op's arguments
 
 
 def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool]:
+    """What reading a stored ``spec`` needs (``dequantize``, ``attention``)."""
     return spec.bits, spec.scheme, spec.group, spec.rotate, spec.symmetric
+
+
+def codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool]:
+    """What writing ``spec`` needs (``quantize``, ``write_``): the layout and how scales are chosen."""
+    return (*spec_args(spec), spec.clip)
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,14 +54,14 @@ def _triton_kernels():
 
 @torch.library.custom_op("kv4::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`)."""
-    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric))
+    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip))
 
 
 @quantize.register_fake
-def _(x, bits, scheme, group, rotate, symmetric):
+def _(x, bits, scheme, group, rotate, symmetric, clip):
     B, H, S, D = x.shape
     codes = x.new_empty((B, H, S, D * bits // 8), dtype=torch.uint8)
     if scheme == "token":
@@ -68,9 +75,9 @@ def _(x, bits, scheme, group, rotate, symmetric):
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric):
+def _(x, bits, scheme, group, rotate, symmetric, clip):
     kernels = _triton_kernels()
-    spec = QuantSpec(bits, scheme, group, rotate, symmetric)
+    spec = QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip)
     if kernels is None:
         return reference.encode(x.contiguous(), spec)
     return kernels.quantize(reference.rotate(x) if rotate else x, spec)
@@ -82,16 +89,16 @@ def _(x, bits, scheme, group, rotate, symmetric):
 @torch.library.custom_op("kv4::write_", mutates_args=("codes", "scales"))
 def write_(
     codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
-    bits: int, scheme: str, group: int, rotate: bool, symmetric: bool,
+    bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool,
 ) -> None:  # fmt: skip
     """Quantize ``x [B, H, T, D]`` into token slots ``index`` of a preallocated per-token cache."""
-    new_codes, new_scales = quantize(x, bits, scheme, group, rotate, symmetric)
+    new_codes, new_scales = quantize(x, bits, scheme, group, rotate, symmetric, clip)
     codes.index_copy_(2, index, new_codes)
     scales.index_copy_(2, index, new_scales)
 
 
 @write_.register_fake
-def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric):
+def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric, clip):
     return None
 
 

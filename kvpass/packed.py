@@ -116,19 +116,19 @@ class PackedKV(torch.Tensor):
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
-            codes, scales = ops.quantize(new.to(self.dtype), *ops.spec_args(self.spec))
+            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec))
             return self._extended(codes, scales, self.residual)
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
         n_leaving = _leaving(pending.shape[2], self.spec)
-        codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.spec_args(_unrotated(self.spec)))
+        codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:])
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
-        ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.spec_args(self.spec))
+        ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.codec_args(self.spec))
         return self
 
     def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> PackedKV:
@@ -294,7 +294,7 @@ def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     B, H, _, D = x.shape
-    codes, scales = ops.quantize(x[:, :, :0], *ops.spec_args(spec))
+    codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
     return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec)
 
 

@@ -7,6 +7,11 @@ Symmetric (``spec.symmetric``):
 * per group ``scale = fp16(amax / qmax)`` (``qmax = 7`` for int4), and
   ``code = clamp(round(x / scale), -qmax, qmax)``, both with the fp16-rounded scale;
   ``x ~ code * scale``;
+* ``spec.clip``: the scale is instead the candidate ``sign * fp16(amax / t)``, ``t`` in
+  :func:`clip_divisors` and ``sign`` in (+1, -1) (in that order), whose codes
+  ``clamp(round(x / scale), -(qmax + 1), qmax)`` give the least squared error
+  ``sum(round((code * scale - x)**2 / amax**2 * 2**20))`` (ties: the earlier candidate). A
+  negative scale puts the group's largest element on the extra code ``-(qmax + 1)``;
 * codes are stored offset by ``2**(bits-1)`` as unsigned fields, ``8 // bits`` per byte,
   lowest field first, packed along the head dimension;
 * an all-zero group has scale 0 and decodes to exact zeros;
@@ -98,9 +103,47 @@ def _group_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def _codes_from(x: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: int) -> torch.Tensor:
     safe = torch.where((scale == 0) | scale.isnan(), torch.ones_like(scale), scale).float()
-    return torch.clamp(torch.round(x.float() / safe), -qmax, qmax).to(torch.int8)
+    return torch.clamp(torch.round(x.float() / safe), code_min, code_max).to(torch.int8)
+
+
+def clip_divisors(qmax: int) -> tuple[float, ...]:
+    """The ``t`` of the scales ``+-fp16(amax / t)`` a ``clip`` spec tries, in the order tried.
+
+    ``qmax`` (absmax, no clipping) up to ``1.5 qmax + 0.5`` in eight steps: 7 to 10.5 for int4.
+    """
+    step = (qmax + 1) / 16
+    return tuple(qmax + k * step for k in range(8))
+
+
+# Squared errors are compared in units of amax**2 / 2**20, rounded to integers, so the sum over
+# a group is exact and the choice cannot depend on the order a kernel adds them in.
+CLIP_ERROR_UNIT = 2.0**20
+
+
+def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
+    """The fp16 scale per group (``dim`` reduced) with the least squared error on the grid
+    ``-(qmax+1)..qmax``; the first candidate wins a tie."""
+    x = groups.float()
+    amax = x.abs().amax(dim, keepdim=True)
+    non_finite = ~torch.isfinite(amax)
+    unit = torch.where((amax == 0) | non_finite, torch.ones_like(amax), amax)
+    best, best_error = None, None
+    for t in clip_divisors(qmax):
+        for sign in (1, -1):
+            scale = (amax / t).to(SCALE_DTYPE) * sign
+            # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
+            e = (_codes_from(x, scale, -qmax - 1, qmax).float() * scale.float() - x) / unit
+            units = torch.floor(torch.where(non_finite, 0.0, e * e) * CLIP_ERROR_UNIT + 0.5)
+            error = units.to(torch.int64).sum(dim, keepdim=True)
+            if best is None:
+                best, best_error = scale, error
+            else:
+                better = error < best_error
+                best, best_error = torch.where(better, scale, best), torch.where(better, error, best_error)
+    best = torch.where(non_finite, torch.full_like(best, float("nan")), best)
+    return best.squeeze(dim)
 
 
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
@@ -156,6 +199,11 @@ def error_bound(scale: torch.Tensor, spec: QuantSpec, zero: torch.Tensor | None 
     the division and ``code * s + z`` is relative ``2**-24``, far inside the slack the two fp16
     terms leave in every case (``ulp(z) / 2 >= 2**-12 |z|``).
     """
+    if spec.clip:
+        # Unclamped: |s| / 2. Clamped at qmax: |x| - qmax |s| with |x| <= amax <= t (|s| + ulp / 2).
+        t = clip_divisors(spec.qmax)[-1]
+        magnitude = scale.float().abs()
+        return torch.maximum(magnitude / 2, (t - spec.qmax) * magnitude) + t * _fp16_ulp(scale) / 2
     bound = scale.float() / 2 + spec.code_max * _fp16_ulp(scale) / 2
     if spec.symmetric:
         return bound
@@ -232,15 +280,15 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     if spec.scheme == "token":
         g = spec.token_group(D)
         groups = x.reshape(B, H, S, D // g, g)
-        scale = _group_scale(groups.abs().amax(-1), qmax)
-        codes = _codes_from(groups, scale[..., None], qmax).reshape(B, H, S, D)
+        dim, expand = 4, (lambda p: p[..., None])
     else:
         g = spec.group
         if S % g:
             raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
         groups = x.reshape(B, H, S // g, g, D)
-        scale = _group_scale(groups.abs().amax(3), qmax)
-        codes = _codes_from(groups, scale[:, :, :, None, :], qmax).reshape(B, H, S, D)
+        dim, expand = 3, (lambda p: p[:, :, :, None, :])
+    scale = _clipped_scale(groups, dim, qmax) if spec.clip else _group_scale(groups.abs().amax(dim), qmax)
+    codes = _codes_from(groups, expand(scale), spec.code_min, spec.code_max).reshape(B, H, S, D)
     return pack_codes(codes, spec.bits), scale
 
 

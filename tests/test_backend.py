@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import kvpass
 from kvpass import passes
-from kvpass.config import QuantSpec
+from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache
 from tests.helpers import greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
@@ -43,8 +43,9 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
         (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
         (QuantSpec(4, "channel", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
+        (KVConfig().k, KVConfig().v),
     ],
-    ids=["kivi", "rotated", "asym", "kivi-rotated"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated", "default"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -65,7 +66,9 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     backend = kvpass.kv4(
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
         v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
+        clip=k_spec.clip,
     )  # fmt: skip
+    assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)
     cache = DynamicCache()
     step(input_ids=ids, past_key_values=cache, use_cache=True)

@@ -46,7 +46,9 @@ KIVI = (QuantSpec(bits=4, scheme="channel", group=64), QuantSpec(bits=4, scheme=
 ROTATED = (QuantSpec(bits=4, scheme="token", group=128, rotate=True), QuantSpec(bits=4, scheme="token", group=128, rotate=True))
 INT2_INT8 = (QuantSpec(bits=2, scheme="channel", group=16), QuantSpec(bits=8, scheme="token", group=32))
 TOKEN_GROUPS = (QuantSpec(bits=4, scheme="token", group=32), QuantSpec(bits=2, scheme="token", group=64))
-SPECS = {"kivi": KIVI, "rotated": ROTATED, "int2_int8": INT2_INT8, "token_groups": TOKEN_GROUPS}
+# The default's grid: negative scales and the extra code -8 reach the kernel's dequantization.
+CLIPPED = (QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True),) * 2
+SPECS = {"kivi": KIVI, "rotated": ROTATED, "int2_int8": INT2_INT8, "token_groups": TOKEN_GROUPS, "clipped": CLIPPED}
 # Asymmetric (zero-point) specs; kept out of SPECS so DECODE_CASES' sample stays as it was.
 ASYM = (
     QuantSpec(bits=4, scheme="channel", group=64, symmetric=False),
@@ -98,8 +100,13 @@ def _hard_values(shape, dtype, generator):
         (QuantSpec(bits=4, scheme="token", group=64, symmetric=False), (2, 3, 17, 128)),
         (QuantSpec(bits=2, scheme="channel", group=16, symmetric=False), (1, 3, 32, 40)),
         (QuantSpec(bits=8, scheme="token", group=32, symmetric=False), (1, 2, 9, 80)),
+        (QuantSpec(bits=4, scheme="token", group=64, clip=True), (2, 3, 17, 128)),
+        (QuantSpec(bits=4, scheme="token", group=32, clip=True), (1, 2, 7, 80)),
+        (QuantSpec(bits=4, scheme="channel", group=64, clip=True), (2, 2, 128, 64)),
+        (QuantSpec(bits=2, scheme="token", group=16, clip=True), (1, 2, 8, 96)),
+        (QuantSpec(bits=8, scheme="channel", group=8, clip=True), (2, 1, 16, 128)),
     ],
-    ids=lambda v: f"{v.bits}b-{v.scheme}-g{v.group}{'' if v.symmetric else '-asym'}"
+    ids=lambda v: f"{v.bits}b-{v.scheme}-g{v.group}{'' if v.symmetric else '-asym'}{'-mse' if v.clip else ''}"
     if isinstance(v, QuantSpec)
     else "x".join(map(str, v)),
 )
@@ -257,6 +264,9 @@ PREFILL_CASES = [
     (300, 5, (8, 1), 64, torch.float16, "rotated", "bias"),
     (70, 20, (4, 2), 64, torch.float32, "kivi", "causal"),
     (129, 3, (6, 3), 80, torch.float16, "kivi", "chunk"),
+    (130, 1, (8, 2), 64, torch.float16, "clipped", None),
+    (65, 7, (4, 2), 128, torch.float32, "clipped", "chunk"),
+    (0, 12, (4, 1), 64, torch.bfloat16, "clipped", "causal"),
 ]
 
 

@@ -14,7 +14,7 @@ ASYM = (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, 
 def _stored(x, spec):
     n = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
     stored = reference.rotate(x) if spec.rotate else x
-    codes, scales = ops.quantize(x[:, :, :n], *ops.spec_args(spec))
+    codes, scales = ops.quantize(x[:, :, :n], *ops.codec_args(spec))
     return codes, scales, stored[:, :, n:]
 
 
@@ -37,13 +37,14 @@ def _attention_args(past, new, specs, mask=False, dtype=torch.float32):
     [
         KIVI[0], KIVI[1], QuantSpec(2, "token", 32, True), QuantSpec(8, "channel", 32),
         QuantSpec(4, "token", 32, True, symmetric=False), QuantSpec(2, "channel", 32, symmetric=False),
+        QuantSpec(4, "token", 64, True, clip=True),
     ],
     ids=lambda s: s.tag,
 )  # fmt: skip
 def test_opcheck_quantize_and_dequantize(spec):
     x = torch.randn(2, 3, 64, 64)
-    torch.library.opcheck(ops.quantize, (x, *ops.spec_args(spec)))
-    codes, scales = ops.quantize(x, *ops.spec_args(spec))
+    torch.library.opcheck(ops.quantize, (x, *ops.codec_args(spec)))
+    codes, scales = ops.quantize(x, *ops.codec_args(spec))
     torch.library.opcheck(ops.dequantize, (codes, scales, x[:, :, :5], *ops.spec_args(spec)))
 
 
@@ -56,12 +57,12 @@ def test_opcheck_attention(specs, past, new, mask):
 def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
     x = torch.randn(1, 2, 128, 64) + 5.0
     for spec, shape in [(ASYM[0], (1, 2, 2, 64, 2)), (ASYM[1], (1, 2, 128, 1, 2))]:
-        codes, scales = ops.quantize(x, *ops.spec_args(spec))
+        codes, scales = ops.quantize(x, *ops.codec_args(spec))
         assert codes.shape == (1, 2, 128, 32) and scales.shape == shape
         expected = reference.encode(x, spec)
         assert torch.equal(codes, expected[0]) and torch.equal(scales, expected[1])
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-            fake_codes, fake_scales = ops.quantize(mode.from_tensor(x), *ops.spec_args(spec))
+            fake_codes, fake_scales = ops.quantize(mode.from_tensor(x), *ops.codec_args(spec))
         assert fake_scales.shape == shape and fake_codes.shape == codes.shape
 
 

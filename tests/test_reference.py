@@ -1,5 +1,6 @@
 """The reference quantizer: error bounds derived from the grid, packing, edge values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -151,11 +152,71 @@ def test_asymmetric_tag_round_trip_and_symmetric_tags_unchanged():
         (QuantSpec(4, "token", 64, rotate=True, symmetric=False), "int4:token:64:rot:asym"),
         (QuantSpec(2, "channel", 32, symmetric=False), "int2:channel:32:asym"),
         (QuantSpec(8, "token", 16, rotate=True), "int8:token:16:rot"),
+        (QuantSpec(4, "token", 64, rotate=True, clip=True), "int4:token:64:rot:mse"),
+        (QuantSpec(4, "token", 32, clip=True, window=64), "int4:token:32:mse:w64"),
     ]:
         assert spec.tag == tag and QuantSpec.from_tag(tag) == spec
-    with pytest.raises(ValueError, match="bad QuantSpec tag"):
-        QuantSpec.from_tag("int4:token:64:asym:rot")
+    for bad in ("int4:token:64:asym:rot", "int4:token:64:mse:rot", "int4:token:64:asym:mse", "int4:token:64:rot:rot"):
+        with pytest.raises(ValueError, match="bad QuantSpec tag"):
+            QuantSpec.from_tag(bad)
     assert QuantSpec(symmetric=False).code_max == 15 and QuantSpec().code_max == 7
+    assert (QuantSpec().code_min, QuantSpec(clip=True).code_min, QuantSpec(symmetric=False).code_min) == (-7, -8, 0)
+    with pytest.raises(ValueError, match="clip=True needs symmetric=True"):
+        QuantSpec(symmetric=False, clip=True)
+
+
+# --- clipped scales ----------------------------------------------------------------------
+
+CLIPPED = [QuantSpec(4, "token", 64, clip=True), QuantSpec(4, "channel", 32, clip=True), QuantSpec(2, "token", 32, clip=True)]
+
+
+@pytest.mark.parametrize("spec", CLIPPED, ids=lambda s: s.tag)
+def test_clipped_scale_is_the_least_error_candidate_and_within_its_bound(spec):
+    torch.manual_seed(spec.bits)
+    x = torch.randn(2, 3, 64, 64) * torch.logspace(-2, 1, 64)
+    codes, scales = R.quantize(x, spec)
+    y = R.dequantize(codes, scales, spec)
+    assert ((x - y).abs() <= _bound(scales, spec, x.shape)).all()
+    # every candidate's squared error, in float64, per group: the chosen one is the least
+    # (to within the integer unit the choice is made in)
+    groups = x.double().reshape(2, 3, 64, 64 // spec.group, spec.group) if spec.scheme == "token" else \
+        x.double().reshape(2, 3, 64 // spec.group, spec.group, 64).transpose(3, 4)  # fmt: skip
+    amax = groups.abs().amax(-1)
+    candidates = []
+    for t in R.clip_divisors(spec.qmax):
+        for sign in (1, -1):
+            scale = (amax.float() / t).half().double() * sign
+            c = torch.clamp(torch.round(groups / scale[..., None]), spec.code_min, spec.qmax)
+            candidates.append(((c * scale[..., None] - groups) ** 2).sum(-1))
+    least = torch.stack(candidates).amin(0)
+    chosen = ((y.double().reshape(groups.shape) if spec.scheme == "token" else
+               y.double().reshape(2, 3, 64 // spec.group, spec.group, 64).transpose(3, 4)) - groups) ** 2  # fmt: skip
+    slack = spec.group * amax**2 / R.CLIP_ERROR_UNIT
+    assert (chosen.sum(-1) <= least + slack).all()
+    assert (scales < 0).any() and (R.unpack_codes(codes, spec.bits) == spec.code_min).any()  # the extra code is used
+
+
+@pytest.mark.parametrize("spec", CLIPPED, ids=lambda s: s.tag)
+def test_clipped_scales_cut_the_mean_error_of_absmax_scales(spec):
+    torch.manual_seed(0)
+    x = R.rotate(torch.randn(2, 4, 256, 64) + torch.randn(64) * 3)  # rotated K-like rows: near Gaussian
+    absmax = dataclasses.replace(spec, clip=False)
+    errors = [(x - R.quantize_dequantize(x, s)).pow(2).mean() for s in (spec, absmax)]
+    assert errors[0] < 0.85 * errors[1]
+
+
+def test_clipped_edge_groups_are_those_of_absmax():
+    """Zero groups keep scale +0 and decode exactly; non-finite groups decode to NaN; underflow flushes."""
+    spec = QuantSpec(4, "token", 32, clip=True)
+    x = torch.randn(1, 1, 4, 64)
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 1e-9
+    x[0, 0, 2, 3] = float("inf")
+    codes, scales = R.quantize(x, spec)
+    y = R.dequantize(codes, scales, spec)
+    assert torch.equal(scales[0, 0, 0], torch.zeros(2, dtype=torch.float16)) and not scales[0, 0, 0].signbit().any()
+    assert torch.equal(y[0, 0, :2], torch.zeros(2, 64))
+    assert y[0, 0, 2, :32].isnan().all() and not y[0, 0, 2, 32:].isnan().any()
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -20,7 +20,7 @@ def _prompt(length=30):
 def test_opcheck_write():
     spec = QuantSpec(4, "token", 64, rotate=True)
     buffer = PackedKV.zeros((2, 3, 16, 64), torch.float32, "cpu", spec)
-    args = (buffer.codes, buffer.scales, torch.tensor([3, 4]), torch.randn(2, 3, 2, 64), *ops.spec_args(spec))
+    args = (buffer.codes, buffer.scales, torch.tensor([3, 4]), torch.randn(2, 3, 2, 64), *ops.codec_args(spec))
     torch.library.opcheck(ops.write_, args)
 
 
