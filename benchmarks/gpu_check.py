@@ -14,7 +14,7 @@ import time
 import torch
 
 from kvpass import reference
-from kvpass.config import QuantSpec
+from kvpass.config import KVConfig, QuantSpec
 
 # Same tolerances, for the same reasons, as tests/test_kernels.py: operands rounded to the
 # input dtype before tensor-core dots with fp32 accumulation.
@@ -26,6 +26,7 @@ TOLERANCE = {
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 128, rotate=True), QuantSpec(4, "token", 128, rotate=True))
 INT2_INT8 = (QuantSpec(2, "channel", 16), QuantSpec(8, "token", 32))
+DEFAULT = (KVConfig().k, KVConfig().v)  # clipped least-error scales: negative scales, code -8
 
 QUANTIZE_CASES = [
     (QuantSpec(4, "token", 128), (3, 8, 1000, 128)),
@@ -34,6 +35,9 @@ QUANTIZE_CASES = [
     (QuantSpec(2, "channel", 32), (1, 3, 96, 96)),
     (QuantSpec(8, "token", 32), (2, 2, 33, 64)),
     (QuantSpec(2, "token", 2), (1, 2, 7, 64)),
+    (QuantSpec(4, "token", 64, clip=True), (3, 8, 1000, 128)),
+    (QuantSpec(4, "channel", 64, clip=True), (2, 8, 4096, 128)),
+    (QuantSpec(8, "token", 32, clip=True), (2, 2, 33, 64)),
 ]
 # batch, q heads, kv heads, q_len, past, head_dim, dtype, specs, mask ("causal", "chunk", "pad", None)
 ATTENTION_CASES = [
@@ -47,6 +51,8 @@ ATTENTION_CASES = [
     (2, 28, 4, 77, 513, 128, torch.bfloat16, KIVI, "chunk"),
     (1, 16, 16, 130, 65, 64, torch.float32, ROTATED, "chunk"),
     (1, 14, 2, 64, 4000, 96, torch.float16, KIVI, "causal"),
+    (2, 32, 8, 1, 4095, 128, torch.bfloat16, DEFAULT, "pad"),
+    (1, 16, 4, 33, 1000, 64, torch.float16, DEFAULT, "chunk"),
 ]
 
 
@@ -71,7 +77,7 @@ def check_quantize(kernels) -> bool:
             same = torch.equal(codes, codes_ref) and torch.equal(scales.isnan(), scales_ref.isnan())
             same = same and torch.equal(scales.nan_to_num(0).view(torch.int16), scales_ref.nan_to_num(0).view(torch.int16))
             ok &= same
-            print(f"quantize {spec.bits}b {spec.scheme:7} g{spec.group:<3} {str(list(shape)):22} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+            print(f"quantize {spec.tag:18} {str(list(shape)):22} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
     return ok
 
 
