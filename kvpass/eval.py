@@ -12,6 +12,9 @@ Protocol (see ``docs/eval.md``):
   forward loop). Per prompt, the agreement is the number of generated tokens identical to
   the unquantized (``fp``) run before the first divergence, divided by ``T``; the mean over
   prompts is reported.
+* **Top-1 match.** Along the streaming-perplexity run, the fraction of scored positions
+  whose most likely next token is the ``fp`` run's. Both read the same text, so a flipped
+  near-tie costs one position instead of ending the count as in greedy agreement.
 
 Methods (``--methods``, comma separated):
 
@@ -238,10 +241,14 @@ def _progress(total, desc, enabled):
 
 
 @torch.no_grad()
-def streaming_nll(runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = ""):
+def streaming_nll(
+    runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = "",
+    predictions: list | None = None,
+):  # fmt: skip
     """Summed negative log-likelihood and token count of ``ids [1, N]`` under the streaming protocol.
 
-    Returns ``(nll_sum, n_scored, cache)``: tokens ``chunk .. N-1`` are scored.
+    Returns ``(nll_sum, n_scored, cache)``: tokens ``chunk .. N-1`` are scored. ``predictions``,
+    if given, receives the most likely token at every scored position, one tensor per chunk.
     """
     if ids.dim() != 2:
         raise ValueError(f"ids must be [batch, tokens], got {tuple(ids.shape)}")
@@ -263,6 +270,8 @@ def streaming_nll(runner: Runner, ids: torch.Tensor, chunk: int, progress: bool 
             lp = torch.log_softmax(preds.double(), dim=-1)
             nll -= lp.gather(-1, piece[..., None]).sum()
             scored += piece.numel()
+            if predictions is not None:
+                predictions.append(preds.argmax(-1))
         prev_last = logits[:, -1]
         bar.update(piece.shape[1])
     bar.close()
@@ -290,6 +299,12 @@ def greedy(runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: boo
     bar.close()
     runner.check(out.past_key_values)
     return torch.cat(tokens, dim=1)
+
+
+def top1_match(predictions: list, reference: list) -> float:
+    """Fraction of scored positions whose most likely token is the reference's (teacher-forced:
+    both read the same text, so one flipped near-tie costs one position, not the rest)."""
+    return (torch.cat(predictions, dim=1) == torch.cat(reference, dim=1)).double().mean().item()
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
@@ -347,6 +362,7 @@ def evaluate(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     baseline_ppl: dict[tuple[str, int], float] = {}
     baseline_tokens: dict[str, torch.Tensor] = {}
+    baseline_predictions: dict[tuple[str, int], list] = {}
     rows = []
     for method in order:
         report = method.kind != "fp" or any(m.kind == "fp" for m in methods)
@@ -381,16 +397,21 @@ def evaluate(
                     else:
                         t0 = time.perf_counter()
                         try:
+                            predictions = []
                             nll, count, cache = streaming_nll(
-                                runner, tokens[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}"
-                            )
+                                runner, tokens[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}",
+                                predictions,
+                            )  # fmt: skip
                             ppl = math.exp(nll / count)
                             row.update(ppl=ppl, nll=nll / count, scored=count,
                                        kv_bytes_per_token=cache_bytes(cache) / ctx)  # fmt: skip
                             if method.kind == "fp":
                                 baseline_ppl[(text_name, ctx)] = ppl
+                                baseline_predictions[(text_name, ctx)] = predictions
                             base = baseline_ppl.get((text_name, ctx))
                             row["delta_pct"] = None if base is None else 100 * (ppl / base - 1)
+                            reference = baseline_predictions.get((text_name, ctx))
+                            row["top1_match"] = None if reference is None else top1_match(predictions, reference)
                         except Exception as exc:  # noqa: BLE001
                             log.exception("perplexity run of %s failed", method.name)
                             row["error"] = _reason(exc)
@@ -417,18 +438,21 @@ def _reason(exc: BaseException) -> str:
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ["method", "text", "ctx", "ppl", "delta vs fp", "greedy agreement", "KV bytes/token", "time (s)"]
+    header = ["method", "text", "ctx", "ppl", "delta vs fp", "top-1 match", "greedy agreement", "KV bytes/token",
+              "time (s)"]  # fmt: skip
     lines = []
     for r in rows:
         if "error" in r and "ppl" not in r:
-            cells = [r["method"], r["text"], str(r["ctx"]), r["error"], "", "", "", ""]
+            cells = [r["method"], r["text"], str(r["ctx"]), r["error"], "", "", "", "", ""]
         else:
             delta = r.get("delta_pct")
             agree = r.get("agreement")
+            top1 = r.get("top1_match")
             secs = (r.get("ppl_s") or 0) + (r.get("greedy_s") or 0)
             cells = [
                 r["method"], r["text"], str(r["ctx"]), f"{r['ppl']:.4f}",
                 "" if delta is None else f"{delta:+.2f}%",
+                "" if top1 is None else f"{top1:.3f}",
                 r.get("greedy_error", "") if agree is None else f"{agree:.3f}",
                 f"{r['kv_bytes_per_token']:,.0f}", f"{secs:.0f}",
             ]  # fmt: skip
@@ -525,6 +549,7 @@ def run(args) -> int:
             rows.append(row)
             print(f"  {row['method']:<16} {row['text']:<6} ctx {row['ctx']}: "
                   + (f"ppl {row['ppl']:.4f}" if "ppl" in row else row.get("error", ""))
+                  + ("" if row.get("top1_match") is None else f", top-1 match {row['top1_match']:.3f}")
                   + ("" if row.get("agreement") is None else f", agreement {row['agreement']:.3f}"),
                   file=sys.stderr, flush=True)  # fmt: skip
         if args.json:

@@ -64,6 +64,12 @@ def test_greedy_agreement_of_fp_with_itself_is_one(model):
     assert kv_eval.agreement(a, b) == 1.0
 
 
+def test_top1_match_counts_every_position():
+    ref = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]])]
+    got = [torch.tensor([[1, 9, 3]]), torch.tensor([[4, 0]])]
+    assert kv_eval.top1_match(got, ref) == pytest.approx(3 / 5)
+
+
 def test_agreement_counts_tokens_before_the_first_divergence():
     ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     out = torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])
@@ -78,9 +84,10 @@ def test_evaluate_grid_rows(model):
     by_name = {r["method"]: r for r in rows}
     assert set(by_name) == {"fp", "sim-kv4-rot", "quanto"}
     assert by_name["fp"]["delta_pct"] == 0.0 and by_name["fp"]["agreement"] == 1.0
+    assert by_name["fp"]["top1_match"] == 1.0
     for row in rows:
         if "ppl" in row:
-            assert math.isfinite(row["ppl"]) and 0 <= row["agreement"] <= 1
+            assert math.isfinite(row["ppl"]) and 0 <= row["agreement"] <= 1 and 0 <= row["top1_match"] <= 1
         else:
             assert row["error"].startswith("not run:")
     table = kv_eval.format_table(rows)
