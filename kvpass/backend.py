@@ -98,7 +98,7 @@ def kv4(
     k_symmetric: bool | None = None,
     v_symmetric: bool | None = None,
     window: int = _DEFAULT.k.window,
-    clip: bool = _DEFAULT.k.clip,
+    clip: bool | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -110,8 +110,9 @@ def kv4(
     per channel, KIVI-style, with an unquantized residual); ``*_rotate`` applies a Hadamard
     rotation of the head dimension before quantizing. ``symmetric=False`` stores a zero
     point per group (asymmetric grid, codes ``0..2**bits - 1``) for both K and V unless
-    ``k_symmetric``/``v_symmetric`` say otherwise. ``clip=True`` picks each (symmetric) group's
-    scale for the least squared error instead of ``amax / qmax``. ``window`` keeps the newest ``window`` to
+    ``k_symmetric``/``v_symmetric`` say otherwise. ``clip`` picks each symmetric group's scale
+    for the least squared error instead of ``amax / qmax`` (default: on for symmetric grids,
+    off for asymmetric ones, which cannot clip). ``window`` keeps the newest ``window`` to
     ``window + 63`` tokens of K and V unquantized (per-token schemes; static caches keep
     none). ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
@@ -124,11 +125,11 @@ def kv4(
     config = KVConfig(
         k=QuantSpec(
             bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
-            window=window if k_scheme == "token" else 0, clip=clip,
+            window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
         ),
         v=QuantSpec(
             bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
-            window=window, clip=clip,
+            window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
         ),
         inner=inner,
         debug=debug,

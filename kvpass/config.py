@@ -137,8 +137,8 @@ class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
     # Chosen by measured streaming perplexity on SmolLM2 (docs/eval.md, docs/design.md).
-    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
-    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True)
+    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
+    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.
     debug: bool = False

@@ -27,7 +27,8 @@ Methods (``--methods``, comma separated):
   with ``bits=8`` / ``bits=2``. Suffixes, in this order: ``-gN`` sets every group size to N
   (e.g. ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``), ``-kN`` / ``-vN``
   the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid, ``-mse`` clipped
-  least-error scales (``kvpass.kv4(clip=True)``).
+  least-error scales (``kvpass.kv4(clip=True)``; the named variants, ``int8`` and ``int2``
+  keep ``amax / qmax`` scales without it, as when they were first measured).
 * ``-wW`` keeps the newest W to W+63 tokens unquantized (real kv4: ``kvpass.kv4(window=W)``).
   Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
@@ -147,8 +148,8 @@ def parse_method(name: str) -> Method:
             kwargs[which] = int(m[which])
     if m["sym"]:
         kwargs["symmetric"] = m["sym"] == "-sym"
-    if m["clip"]:
-        kwargs["clip"] = True
+    if m["clip"] or variant or m["base"] != "kv4":
+        kwargs["clip"] = bool(m["clip"])
     window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
     if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):

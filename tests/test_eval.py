@@ -1,6 +1,5 @@
 """The streaming-perplexity and greedy-agreement protocol of ``kvpass eval`` on a tiny model."""
 
-import dataclasses
 import math
 import warnings
 
@@ -98,11 +97,11 @@ def test_evaluate_grid_rows(model):
 def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token",
-                                    v_group=128, v_rotate=True)  # fmt: skip
-    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2}
-    assert kv_eval.parse_method("kv4-rot").specs == (KVConfig().k, KVConfig().v)
-    clipped = kv_eval.parse_method("kv4-rot-mse-w64").specs
-    assert clipped == tuple(dataclasses.replace(s, clip=True, window=64) for s in (KVConfig().k, KVConfig().v))
+                                    v_group=128, v_rotate=True, clip=False)  # fmt: skip
+    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False}
+    # named variants keep the amax scales they were measured with; -mse clips, as the default does
+    assert all(s.clip for s in kv_eval.parse_method("kv4-rot-mse").specs)
+    assert kv_eval.parse_method("kv4-rot-mse").specs == (KVConfig().k, KVConfig().v)
     assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
     assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
     k, v = kv_eval.parse_method("kv4-kivi").specs

@@ -105,7 +105,7 @@ def test_new_prompt_on_the_same_compiled_model_starts_clean(compiled_llama):
 def test_fp_window_decode_matches_its_simulation_across_flushes():
     torch._dynamo.reset()
     model = kv_heavy_llama()
-    spec = QuantSpec(4, "token", 32, rotate=True, window=64)
+    spec = QuantSpec(4, "token", 32, rotate=True, window=64, clip=True)
     sim = SimulatedKVCache(model.config, spec, spec, FpTokens(window=64, flush=64))
     step = torch.compile(model, backend=kvpass.kv4(window=64, k_group=32, v_group=32))
     cache, ids = DynamicCache(), _prompt(1, 150)
