@@ -125,25 +125,36 @@ CLIP_ERROR_UNIT = 2.0**20
 def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
     """The fp16 scale per group (``dim`` reduced) with the least squared error on the grid
     ``-(qmax+1)..qmax``; the first candidate wins a tie."""
-    x = groups.float()
-    amax = x.abs().amax(dim, keepdim=True)
+    x = groups.float().movedim(dim, -1)
+    rows = x.reshape(-1, x.shape[-1])
+    # All candidates of a row at once (a decode step quantizes a handful of groups, and one
+    # op per candidate would cost more than the quantization), in slices that bound memory.
+    per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
+    best = torch.cat([_least_error_scale(part, qmax) for part in rows.split(per_slice)]) if rows.numel() else \
+        rows.new_empty((rows.shape[0],), dtype=SCALE_DTYPE)  # fmt: skip
+    return best.reshape(x.shape[:-1])
+
+
+CLIP_SLICE_ELEMENTS = 2**22
+
+
+def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` fp16."""
+    amax = rows.abs().amax(-1, keepdim=True)
     non_finite = ~torch.isfinite(amax)
     unit = torch.where((amax == 0) | non_finite, torch.ones_like(amax), amax)
-    best, best_error = None, None
-    for t in clip_divisors(qmax):
-        for sign in (1, -1):
-            scale = (amax / t).to(SCALE_DTYPE) * sign
-            # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
-            e = (_codes_from(x, scale, -qmax - 1, qmax).float() * scale.float() - x) / unit
-            units = torch.floor(torch.where(non_finite, 0.0, e * e) * CLIP_ERROR_UNIT + 0.5)
-            error = units.to(torch.int64).sum(dim, keepdim=True)
-            if best is None:
-                best, best_error = scale, error
-            else:
-                better = error < best_error
-                best, best_error = torch.where(better, scale, best), torch.where(better, error, best_error)
-    best = torch.where(non_finite, torch.full_like(best, float("nan")), best)
-    return best.squeeze(dim)
+    divisors = torch.tensor(clip_divisors(qmax), device=rows.device)
+    signs = torch.tensor([1.0, -1.0], device=rows.device, dtype=SCALE_DTYPE)
+    # [N, t, sign] -> [N, candidates], in the order the candidates are tried
+    candidates = ((amax / divisors).to(SCALE_DTYPE)[:, :, None] * signs).reshape(rows.shape[0], -1)
+    scale = candidates.float()[:, :, None]
+    codes = _codes_from(rows[:, None, :], scale, -qmax - 1, qmax).float()
+    # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
+    e = (codes * scale - rows[:, None, :]) / unit[:, :, None]
+    units = torch.floor(torch.where(non_finite[:, :, None], 0.0, e * e) * CLIP_ERROR_UNIT + 0.5)
+    chosen = units.to(torch.int64).sum(-1).argmin(-1, keepdim=True)  # argmin: the first of equal minima
+    best = candidates.gather(1, chosen).squeeze(1)
+    return torch.where(non_finite.squeeze(1), torch.full_like(best, float("nan")), best)
 
 
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
