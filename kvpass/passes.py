@@ -338,8 +338,8 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
             raise NoMatch(f"{role} buffer {buffer.name} is allocated in the graph but not kept by the cache")
     elif not isinstance(_val(buffer), PackedKV):
         raise NoMatch(
-            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation (a plain StaticCache, "
-            "or a sliding-window layer, which stays fp); for int4 full-attention layers pass "
+            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation (a plain StaticCache "
+            "whose first forward ran eagerly); for int4 layers pass "
             "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len), or call "
             "kvpass.int4_static_caches(model) before generate(cache_implementation='static')"
         )

@@ -102,7 +102,7 @@ def _specs(k_spec: QuantSpec | None, v_spec: QuantSpec | None) -> tuple[QuantSpe
 
 
 class StaticKVCache(StaticCache):
-    """``StaticCache(config, max_cache_len)`` with int4 full-attention layers (the default specs)."""
+    """``StaticCache(config, max_cache_len)`` with int4 attention layers, full and sliding-window (the default specs)."""
 
     def __init__(self, config, max_cache_len: int, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None,
                  **kwargs):  # fmt: skip
