@@ -150,11 +150,18 @@ def test_backend_string_works_in_a_process_that_never_imports_kvpass():
         ({"inner": "cudagraphs"}, r"inner must be one of \['eager', 'aot_eager', 'inductor'\], got 'cudagraphs'"),
         ({"v_scheme": "channel"}, "v_scheme='channel' is not supported"),
         ({"symmetric": "no"}, "symmetric must be True or False, got 'no'"),
+        ({"symmetric": False, "clip": True}, "clip=True needs symmetric=True"),
+        ({"clip": "mse"}, "clip must be True or False, got 'mse'"),
     ],
 )
 def test_invalid_settings_name_the_setting_and_accepted_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         kvpass.kv4(**kwargs)
+
+
+def test_asymmetric_grids_leave_the_default_clipping_off():
+    config = kvpass.kv4(k_symmetric=False).config
+    assert not config.k.clip and config.v.clip == KVConfig().v.clip
 
 
 def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, monkeypatch):
