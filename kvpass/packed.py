@@ -170,7 +170,8 @@ class PackedKV(torch.Tensor):
         return (
             f"PackedKV(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.bits}-bit {self.spec.scheme} "
             f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}"
-            f"{'' if self.spec.symmetric else ', asymmetric'}, residual={self.residual.shape[2]})"
+            f"{'' if self.spec.symmetric else ', asymmetric'}{', clipped scales' if self.spec.clip else ''}"
+            f", residual={self.residual.shape[2]})"
         )
 
     # --- tracing ------------------------------------------------------------------------
