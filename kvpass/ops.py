@@ -7,8 +7,9 @@ on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
 A :class:`~kvpass.config.QuantSpec` crosses the op boundary as five scalars
 (``bits, scheme, group, rotate, symmetric``) because custom-op schemas take no
 dataclasses; the ops that quantize take ``clip`` after them (:func:`codec_args`), the
-ones that only read do not need it (a clipped scale decodes like any other). An asymmetric spec's zero points travel inside ``scales`` (a trailing
-dimension of 2, see :mod:`kvpass.reference`), so the tensor arguments are the same for both.
+ones that only read do not need it (a clipped scale decodes like any other). An asymmetric
+spec's zero points travel inside ``scales`` (a trailing dimension of 2, see
+:mod:`kvpass.reference`), so the tensor arguments are the same for both.
 """
 
 from __future__ import annotations

@@ -351,9 +351,7 @@ def _index_put_impl(func, args, kwargs):
     t, indices, values = args[:3]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     slots_only = len(indices) == 3 and indices[0] is None and indices[1] is None and indices[2] is not None
-    if accumulate or not slots_only or not _is_slot_buffer(t) or isinstance(values, PackedKV):
-        return NotImplemented
-    if indices[2].dim() != 1:
+    if accumulate or not slots_only or indices[2].dim() != 1 or not _is_slot_buffer(t) or isinstance(values, PackedKV):
         return NotImplemented
     # cache[:, :, positions] = new (StaticLayer's fallback write, the sliding layer's last slot);
     # torch drops the leading size-1 dims of ``new``, so broadcast it back to [B, H, T, D].

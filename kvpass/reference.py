@@ -120,6 +120,8 @@ def clip_divisors(qmax: int) -> tuple[float, ...]:
 # Squared errors are compared in units of amax**2 / 2**20, rounded to integers, so the sum over
 # a group is exact and the choice cannot depend on the order a kernel adds them in.
 CLIP_ERROR_UNIT = 2.0**20
+# Elements of the [groups, candidates, group size] error tensor built at once.
+CLIP_SLICE_ELEMENTS = 2**22
 
 
 def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
@@ -130,12 +132,8 @@ def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
     # All candidates of a row at once (a decode step quantizes a handful of groups, and one
     # op per candidate would cost more than the quantization), in slices that bound memory.
     per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
-    best = torch.cat([_least_error_scale(part, qmax) for part in rows.split(per_slice)]) if rows.numel() else \
-        rows.new_empty((rows.shape[0],), dtype=SCALE_DTYPE)  # fmt: skip
+    best = torch.cat([_least_error_scale(part, qmax) for part in rows.split(per_slice)])
     return best.reshape(x.shape[:-1])
-
-
-CLIP_SLICE_ELEMENTS = 2**22
 
 
 def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -146,7 +144,7 @@ def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
     divisors = torch.tensor(clip_divisors(qmax), device=rows.device)
     signs = torch.tensor([1.0, -1.0], device=rows.device, dtype=SCALE_DTYPE)
     # [N, t, sign] -> [N, candidates], in the order the candidates are tried
-    candidates = ((amax / divisors).to(SCALE_DTYPE)[:, :, None] * signs).reshape(rows.shape[0], -1)
+    candidates = ((amax / divisors).to(SCALE_DTYPE)[:, :, None] * signs).flatten(1)
     scale = candidates.float()[:, :, None]
     codes = _codes_from(rows[:, None, :], scale, -qmax - 1, qmax).float()
     # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
