@@ -93,13 +93,16 @@ def _load_block(
     C, stride_cs, stride_cd,
     SC, stride_ss, stride_sd, stride_sz,
     RES, stride_rs, stride_rd,
-    pos, key_ok, n_quant, dim,
+    FC, stride_fcs, stride_fcd,
+    FSC, stride_fss, stride_fsd, stride_fsz,
+    pos, key_ok, n_quant, n_fine, dim,
     HAS_CODES: tl.constexpr, BITS: tl.constexpr, CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-    ASYM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ASYM: tl.constexpr, FINE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Tokens ``pos`` of one head as fp32 ``[BLOCK_N, BLOCK_D]``: codes x scales (+ zero
     points, ``stride_sz`` past each scale, when ``ASYM``) below ``n_quant``, the unquantized
-    tensor ``RES`` from ``n_quant`` on, zero where not ``key_ok``."""
+    tensor ``RES`` from ``n_quant`` on, zero where not ``key_ok``. With ``FINE`` (per-token
+    groups), the newest ``n_fine`` quantized tokens add their second code plane ``FC x FSC``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
     in_res = key_ok & (pos >= n_quant)
@@ -126,6 +129,22 @@ def _load_block(
         deq = _unpack(packed, BITS, not ASYM).to(tl.float32) * scale
         if ASYM:
             deq += tl.load(scale_ptrs + stride_sz, mask=param_ok, other=0.0).to(tl.float32)
+        if FINE:
+            fine_pos = pos - (n_quant - n_fine)
+            in_fine = in_codes & (fine_pos >= 0)
+            fine_packed = tl.load(
+                FC + fine_pos[:, None] * stride_fcs + offs_byte[None, :] * stride_fcd,
+                mask=in_fine[:, None] & (offs_byte < dim // PER_BYTE)[None, :],
+                other=0,
+            ).to(tl.int32)
+            fine_scale_ptrs = FSC + fine_pos[:, None] * stride_fss + (offs_d // GROUP)[None, :] * stride_fsd
+            fine_ok = in_fine[:, None] & d_ok[None, :]
+            fine = _unpack(fine_packed, BITS, not ASYM).to(tl.float32) * tl.load(
+                fine_scale_ptrs, mask=fine_ok, other=0.0
+            ).to(tl.float32)
+            if ASYM:
+                fine += tl.load(fine_scale_ptrs + stride_fsz, mask=fine_ok, other=0.0).to(tl.float32)
+            deq += tl.where(fine_ok, fine, 0.0)
         x = tl.where(in_codes[:, None], deq, x)
     return x
 
@@ -134,7 +153,7 @@ def _load_block(
     configs=_CONFIGS,
     key=[
         "BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL",
-        "K_ASYM", "V_ASYM", "MASK_KIND", "IS_CAUSAL", "SOFTCAP",
+        "K_ASYM", "V_ASYM", "K_FINE", "V_FINE", "MASK_KIND", "IS_CAUSAL", "SOFTCAP",
     ],
 )
 @triton.jit
@@ -146,14 +165,18 @@ def _partial_attention_kernel(
     VC, stride_vcb, stride_vch, stride_vcs, stride_vcd,
     VS, stride_vsb, stride_vsh, stride_vss, stride_vsd, stride_vsz,
     VR, stride_vrb, stride_vrh, stride_vrs, stride_vrd,
+    KF, stride_kfb, stride_kfh, stride_kfs, stride_kfd,
+    KFS, stride_kfsb, stride_kfsh, stride_kfss, stride_kfsd, stride_kfsz,
+    VF, stride_vfb, stride_vfh, stride_vfs, stride_vfd,
+    VFS, stride_vfsb, stride_vfsh, stride_vfss, stride_vfsd, stride_vfsz,
     MASK, stride_mb, stride_mh, stride_mt, stride_mn,
     M_OUT, L_OUT, ACC_OUT,
     n_kv_heads, rep, n_rows, head_dim, head_dim_v,
-    n_keys, n_quant_k, n_quant_v, col_offset, split_len, split_base, n_splits_total,
+    n_keys, n_quant_k, n_quant_v, n_fine_k, n_fine_v, col_offset, split_len, split_base, n_splits_total,
     sm_scale, softcap,
     HAS_CODES: tl.constexpr, SOFTCAP: tl.constexpr,
-    K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr,
-    V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr,
+    K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_FINE: tl.constexpr,
+    V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_FINE: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -181,6 +204,10 @@ def _partial_attention_kernel(
     VC += b * stride_vcb + kv_head * stride_vch
     VS += b * stride_vsb + kv_head * stride_vsh
     VR += b * stride_vrb + kv_head * stride_vrh
+    KF += b * stride_kfb + kv_head * stride_kfh
+    KFS += b * stride_kfsb + kv_head * stride_kfsh
+    VF += b * stride_vfb + kv_head * stride_vfh
+    VFS += b * stride_vfsb + kv_head * stride_vfsh
     mask_rows = MASK + b * stride_mb + q_head * stride_mh + tok * stride_mt
 
     lo = pid_split * split_len
@@ -213,8 +240,9 @@ def _partial_attention_kernel(
         if tl.max(seen.to(tl.int32)) != 0:
             k = _load_block(
                 KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, stride_ksz, KR, stride_krs, stride_krd,
-                pos, key_ok, n_quant_k, head_dim,
-                HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, BLOCK_D,
+                KF, stride_kfs, stride_kfd, KFS, stride_kfss, stride_kfsd, stride_kfsz,
+                pos, key_ok, n_quant_k, n_fine_k, head_dim,
+                HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, K_FINE, BLOCK_D,
             ).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -237,8 +265,9 @@ def _partial_attention_kernel(
             l_i = l_i * correction + tl.sum(p, axis=1)
             v = _load_block(
                 VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, stride_vsz, VR, stride_vrs, stride_vrd,
-                pos, key_ok, n_quant_v, head_dim_v,
-                HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, BLOCK_DV,
+                VF, stride_vfs, stride_vfd, VFS, stride_vfss, stride_vfsd, stride_vfsz,
+                pos, key_ok, n_quant_v, n_fine_v, head_dim_v,
+                HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, V_FINE, BLOCK_DV,
             ).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
                 pv = tl.dot(p, v, input_precision="ieee")
@@ -329,6 +358,36 @@ def _check_stored(name, codes, scales, residual, spec: QuantSpec, B, Hkv, dim, d
     return n_quant + residual.shape[2]
 
 
+def _check_fine(name, fine_codes, fine_scales, codes, scales, spec: QuantSpec):
+    """Validate a second code plane against its codes and scales; ``(codes, scales)`` or None."""
+    if fine_codes is None and fine_scales is None:
+        return None
+    if fine_codes is None or fine_scales is None or spec.scheme != "token":
+        raise ValueError(f"{name}_fine_codes and {name}_fine_scales come together, for per-token groups only")
+    rows = fine_codes.shape[2] if fine_codes.dim() == 4 else -1
+    for plane, whole in ((fine_codes, codes), (fine_scales, scales)):
+        expected = (*whole.shape[:2], rows, *whole.shape[3:])
+        if tuple(plane.shape) != expected or plane.dtype != whole.dtype or plane.device != whole.device or rows > codes.shape[2]:
+            raise ValueError(
+                f"{name}'s second code plane must be laid out like its codes and scales for at most "
+                f"{codes.shape[2]} tokens: got {list(fine_codes.shape)} / {list(fine_scales.shape)} "
+                f"for {list(codes.shape)} / {list(scales.shape)}"
+            )
+    return fine_codes, fine_scales
+
+
+def _fine_rows(fine) -> int:
+    return 0 if fine is None else fine[0].shape[2]
+
+
+def _fine_args(fine, spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """Pointers and strides of a second code plane (of ``codes``/``scales``, never read, without one)."""
+    fine_codes, fine_scales = fine if fine is not None else (codes, scales)
+    if fine is None:
+        return (fine_codes, 0, 0, 0, 0, fine_scales, 0, 0, 0, 0, 0)
+    return (fine_codes, *fine_codes.stride(), fine_scales, *_scale_strides(fine_scales, spec))
+
+
 def _scale_strides(scales: torch.Tensor, spec: QuantSpec) -> tuple[int, ...]:
     """Strides of ``scales`` over (B, H, S or S // g, D // g or D, scale/zero); the last is 0
     (never used) for a symmetric spec, whose scales have no zero points."""
@@ -367,6 +426,10 @@ def attention(
     k_spec: QuantSpec,
     v_spec: QuantSpec,
     softcap: float = 0.0,
+    k_fine_codes: torch.Tensor | None = None,
+    k_fine_scales: torch.Tensor | None = None,
+    v_fine_codes: torch.Tensor | None = None,
+    v_fine_scales: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -376,8 +439,9 @@ def attention(
     :mod:`kvpass.reference`) holds ``P`` tokens; ``k_new``/``v_new [B, Hkv, T_new, D]`` are
     exact. ``Hq`` a multiple of ``Hkv``; ``attn_mask`` (bool: True attends; float: added)
     broadcasts to ``[B, Hq, T, P + T_new]``; ``is_causal`` is SDPA's top-left causal mask.
-    ``softcap > 0`` soft-caps the scaled scores. ``out [B, Hq, T, Dv]`` (any strides, dtype of
-    ``q``) receives the result if given.
+    ``softcap > 0`` soft-caps the scaled scores. ``*_fine_*``: the second code plane of a
+    refined per-token spec, laid out like its codes and scales, for the newest quantized tokens.
+    ``out [B, Hq, T, Dv]`` (any strides, dtype of ``q``) receives the result if given.
     """
     if q.dim() != 4:
         raise ValueError(f"q must be [B, Hq, T, D], got shape {list(q.shape)}")
@@ -396,6 +460,8 @@ def attention(
     past_v = _check_stored("v", v_codes, v_scales, v_residual, v_spec, B, Hkv, Dv, q.device)
     if past_k != past_v:
         raise ValueError(f"stored K holds {past_k} tokens and stored V {past_v}; they must match")
+    k_fine = _check_fine("k", k_fine_codes, k_fine_scales, k_codes, k_scales, k_spec)
+    v_fine = _check_fine("v", v_fine_codes, v_fine_scales, v_codes, v_scales, v_spec)
     past = past_k
     total = past + T_new
     rep = Hq // Hkv
@@ -460,12 +526,13 @@ def attention(
             q_stored, *q_stored.stride(),
             k_codes, *k_codes.stride(), k_scales, *_scale_strides(k_scales, k_spec), k_residual, *k_residual.stride(),
             v_codes, *v_codes.stride(), v_scales, *_scale_strides(v_scales, v_spec), v_residual, *v_residual.stride(),
+            *_fine_args(k_fine, k_spec, k_codes, k_scales), *_fine_args(v_fine, v_spec, v_codes, v_scales),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,
-            past, k_codes.shape[2], v_codes.shape[2], 0, past_split_len, 0, n_splits,
-            float(scale), float(softcap),
-            HAS_CODES=True,
+            past, k_codes.shape[2], v_codes.shape[2], _fine_rows(k_fine), _fine_rows(v_fine), 0, past_split_len, 0,
+            n_splits, float(scale), float(softcap),
+            HAS_CODES=True, K_FINE=k_fine is not None, V_FINE=v_fine is not None,
             K_GROUP=k_spec.token_group(D) if k_spec.scheme == "token" else k_spec.group,
             V_GROUP=v_spec.token_group(Dv) if v_spec.scheme == "token" else v_spec.group,
             **common,
@@ -479,12 +546,13 @@ def attention(
             q, *q.stride(),
             k_new, 0, 0, 0, 0, k_new, 0, 0, 0, 0, 0, k_new, *k_new.stride(),
             v_new, 0, 0, 0, 0, v_new, 0, 0, 0, 0, 0, v_new, *v_new.stride(),
+            *_fine_args(None, k_spec, k_new, k_new), *_fine_args(None, v_spec, v_new, v_new),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,
-            T_new, 0, 0, past, new_split_len, past_splits, n_splits,
+            T_new, 0, 0, 0, 0, past, new_split_len, past_splits, n_splits,
             float(scale), float(softcap),
-            HAS_CODES=False, K_GROUP=1, V_GROUP=1,
+            HAS_CODES=False, K_GROUP=1, V_GROUP=1, K_FINE=False, V_FINE=False,
             **common,
         )
 

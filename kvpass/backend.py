@@ -99,6 +99,7 @@ def kv4(
     v_symmetric: bool | None = None,
     window: int = _DEFAULT.k.window,
     clip: bool | None = None,
+    refine: int | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -114,7 +115,10 @@ def kv4(
     for the least squared error instead of ``amax / qmax`` (default: on for symmetric grids,
     off for asymmetric ones, which cannot clip). ``window`` keeps the newest ``window`` to
     ``window + 63`` tokens of K and V unquantized (per-token schemes; static caches keep
-    none). ``inner`` is the compiler the
+    none). ``refine`` keeps a second code plane (the quantized error) for the newest ``refine``
+    tokens of K and V, at most 1/8 of a cache (per-token schemes without a window; static
+    caches keep none; default: the default's, none with a ``window``); ``refine=0`` turns it off.
+    ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
     logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
@@ -126,10 +130,12 @@ def kv4(
         k=QuantSpec(
             bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
             window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
+            refine=(_DEFAULT.k.refine if k_scheme == "token" and not window else 0) if refine is None else refine,
         ),
         v=QuantSpec(
             bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
             window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
+            refine=(_DEFAULT.v.refine if v_scheme == "token" and not window else 0) if refine is None else refine,
         ),
         inner=inner,
         debug=debug,

@@ -6,9 +6,14 @@ import dataclasses
 import math
 from typing import Literal
 
+import torch
+
 SUPPORTED_BITS = (2, 4, 8)
 # Tokens leave an fp window this many at a time, so lengths stay multiples of a constant.
 WINDOW_BLOCK = 64
+# A refinement plane never covers more than this fraction (1 / REFINE_SHARE) of a cache's
+# tokens, so it costs at most 1/8 more bytes even in a short cache.
+REFINE_SHARE = 8
 SCHEMES = ("channel", "token")
 INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
@@ -38,6 +43,12 @@ class QuantSpec:
     ``window=W`` (per-token scheme) keeps the newest ``W`` to ``W + 63`` tokens unquantized
     in the residual; tokens are quantized ``WINDOW_BLOCK`` (64) at a time as they leave it.
     A cache of ``S`` tokens holds ``max(S - W, 0) // 64 * 64`` of them quantized.
+
+    ``refine=R`` (per-token scheme, no window) quantizes every token once, as usual, and
+    keeps for the newest ``min(R, S // 8)`` tokens a second plane of codes and scales: their
+    quantization error, quantized with the same spec (:meth:`refined_tokens`). Those tokens
+    read back at about twice the bits; a token leaving the plane just drops its second
+    codes, so nothing is ever quantized twice.
     """
 
     bits: int = 4
@@ -54,6 +65,9 @@ class QuantSpec:
     # Least-squared-error scale per group instead of absmax / qmax: most groups are better off
     # clipping their largest element, which absmax spends a whole code level on.
     clip: bool = False
+    # Newest tokens that also store their quantization error, quantized (a second code plane):
+    # the neighbours attention reads most, at a few bytes per token of the whole cache.
+    refine: int = 0
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -70,6 +84,13 @@ class QuantSpec:
             raise ValueError(f"clip must be True or False, got {self.clip!r}")
         if self.clip and not self.symmetric:
             raise ValueError("clip=True needs symmetric=True; asymmetric groups span their min..max, use clip=False")
+        if not isinstance(self.refine, int) or self.refine < 0:
+            raise ValueError(f"refine must be an int >= 0 (newest tokens with a second code plane), got {self.refine!r}")
+        if self.refine and (self.scheme != "token" or self.window):
+            raise ValueError(
+                f"refine={self.refine} needs scheme='token' and window=0, got scheme={self.scheme!r}, "
+                f"window={self.window}: it refines quantized tokens, which those keep unquantized"
+            )
         if self.window and self.scheme != "token":
             raise ValueError(
                 f"window={self.window} needs scheme='token'; per-channel groups already keep the "
@@ -78,7 +99,7 @@ class QuantSpec:
 
     @property
     def tag(self) -> str:
-        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym|:mse][:w64]``.
+        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym|:mse][:w64|:r64]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -87,17 +108,22 @@ class QuantSpec:
             + ("" if self.symmetric else ":asym")
             + (":mse" if self.clip else "")
             + (f":w{self.window}" if self.window else "")
+            + (f":r{self.refine}" if self.refine else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>]"
         try:
             bits, scheme, group, *flags = tag.split(":")
-            window = [f for f in flags if f.startswith("w") and f[1:].isdigit()]
+
+            def tokens(letter):
+                counts = [int(f[1:]) for f in flags if f.startswith(letter) and f[1:].isdigit()]
+                return counts[0] if counts else 0
+
             spec = cls(
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
-                symmetric="asym" not in flags, window=int(window[0][1:]) if window else 0, clip="mse" in flags,
+                symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -123,6 +149,17 @@ class QuantSpec:
         ``2**bits - 1`` (asymmetric, codes ``0..2**bits - 1``): 7 or 15 for int4."""
         return self.qmax if self.symmetric else 2**self.bits - 1
 
+    @property
+    def for_slots(self) -> QuantSpec:
+        """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
+        is written, with no fp window and no second code plane."""
+        return dataclasses.replace(self, window=0, refine=0)
+
+    def refined_tokens(self, stored: int):
+        """How many of the newest of ``stored`` quantized tokens carry the second code plane."""
+        # sym_min keeps symbolic lengths free of guards.
+        return torch.sym_min(self.refine, stored // REFINE_SHARE)
+
     def token_group(self, head_dim: int) -> int:
         """Channel-group size of a per-token scheme for this head_dim.
 
@@ -137,8 +174,8 @@ class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
     # Chosen by measured streaming perplexity on SmolLM2 (docs/eval.md, docs/design.md).
-    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
-    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True)
+    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+    v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.
     debug: bool = False

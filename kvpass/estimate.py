@@ -12,8 +12,10 @@ kv4 is costed as the backend's default stores it: 4-bit codes plus, per group, a
 scale (and a 16-bit zero point when asymmetric). A per-token group spans
 ``gcd(group, head_dim)`` channels of one token (64 at head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
 channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
-left out, as it is negligible at the context lengths where the cache matters. fp8 and int8
-are costed without scales.
+left out, as it is negligible at the context lengths where the cache matters. The newest
+``min(refine, tokens // 8)`` tokens of each layer also hold a second plane of codes and
+scales (``QuantSpec.refine``, 64 by default), costed like the first. fp8 and int8 are
+costed without scales.
 """
 
 from __future__ import annotations
@@ -152,7 +154,22 @@ def kv_cache_bytes(
     _check_positive_int("context", context)
     _check_positive_int("batch", batch)
     sizes = kv_sizes(source)
-    return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    total = batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    if fmt == "kv4":
+        total += batch * _refinement_bytes(sizes, context, k_group, v_group)
+    return total
+
+
+def _refinement_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -> float:
+    """Bytes of kv4's second code planes for one sequence: the newest tokens of each layer."""
+    k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
+    sliding_held = min(context, sizes.window) if sizes.sliding_layers else 0
+    total = 0.0
+    for spec, dim, bits in ((_DEFAULT.k, sizes.k_head_dim, k_bits), (_DEFAULT.v, sizes.v_head_dim, v_bits)):
+        refined = (sizes.layers - sizes.sliding_layers) * spec.refined_tokens(context)
+        refined += sizes.sliding_layers * spec.refined_tokens(sliding_held)
+        total += refined * sizes.kv_heads * dim * bits / 8
+    return total
 
 
 # ----------------------------------------------------------------------------- sources

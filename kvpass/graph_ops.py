@@ -74,12 +74,14 @@ def kv4_sdpa(
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    v_codes, v_scales, v_residual = v.codes, v.scales, v.residual
+    v_codes, v_scales, v_residual, v_fine = v.codes, v.scales, v.residual, v._fine_planes()
     if v_heads is not None:
         index = torch.tensor(v_heads, device=q.device)
-        picked = (t.index_select(1, index) for t in (v_codes, v_scales, v_residual, v_new))
-        v_codes, v_scales, v_residual, v_new = picked
+        v_codes, v_scales, v_residual, v_new, *v_fine = (
+            t.index_select(1, index) for t in (v_codes, v_scales, v_residual, v_new, *v_fine)
+        )
+    k_fine = k._fine_planes() or (None, None)
     return ops.attention(
         q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
+        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap, *k_fine, *(v_fine or (None, None)),
     )  # fmt: skip

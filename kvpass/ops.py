@@ -110,12 +110,13 @@ def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric, clip):
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """``x @ H`` over the last dimension (:func:`kvpass.reference.rotate`), its own inverse."""
     # An op, not inline torch code, so tracing never meets the cached Hadamard constant.
-    return reference.rotate(x)
+    # Contiguous whatever x's layout (the matmul would follow it), as the fake kernel says.
+    return reference.rotate(x).contiguous()
 
 
 @rotate.register_fake
 def _(x):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous, as the matmul that computes it
 
 
 # --- dequantize ------------------------------------------------------------------------
@@ -131,13 +132,16 @@ def dequantize(
     group: int,
     rotate: bool,
     symmetric: bool,
+    fine_codes: torch.Tensor | None = None,
+    fine_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole logical ``[B, H, S, D]`` tensor; used only off the hot path."""
-    return reference.decode(codes, scales, residual, QuantSpec(bits, scheme, group, rotate, symmetric), residual.dtype)
+    spec = QuantSpec(bits, scheme, group, rotate, symmetric)
+    return reference.decode(codes, scales, residual, spec, residual.dtype, fine_codes, fine_scales)
 
 
 @dequantize.register_fake
-def _(codes, scales, residual, bits, scheme, group, rotate, symmetric):
+def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, fine_codes=None, fine_scales=None):
     B, H, S, _ = codes.shape
     return residual.new_empty((B, H, S + residual.shape[2], residual.shape[3]))
 
@@ -170,12 +174,18 @@ def attention(
     v_rotate: bool,
     v_symmetric: bool,
     softcap: float = 0.0,
+    k_fine_codes: torch.Tensor | None = None,
+    k_fine_scales: torch.Tensor | None = None,
+    v_fine_codes: torch.Tensor | None = None,
+    v_fine_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`."""
+    """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`.
+    ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any."""
     return reference.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         QuantSpec(k_bits, k_scheme, k_group, k_rotate, k_symmetric),
         QuantSpec(v_bits, v_scheme, v_group, v_rotate, v_symmetric), softcap,
+        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales,
     )  # fmt: skip
 
 
@@ -187,10 +197,10 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @attention.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     n = SPEC_ARGS
-    k_spec, v_spec, softcap = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n]
+    k_spec, v_spec, softcap, fine = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
     kernels = _triton_kernels()
     run = kernels.attention if kernels is not None else reference.attention
     return run(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        k_spec, v_spec, softcap=softcap,
+        k_spec, v_spec, softcap, *fine,
     )  # fmt: skip

@@ -45,9 +45,12 @@ class PackedKV(torch.Tensor):
       ``fp16 [B, H, S_q // g, D, 2]``;
     * ``residual``: ``[B, H, S - S_q, D]`` in the logical dtype: tokens not quantized yet,
       those of a per-channel group that is not full, or the newest ``spec.window`` to
-      ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``).
+      ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``);
+    * ``fine_codes``, ``fine_scales`` (``spec.refine`` only, else None): ``[B, H, F, ...]`` laid
+      out like ``codes`` and ``scales``, the quantized error of the newest ``F`` quantized tokens
+      (``F = spec.refined_tokens(S_q)`` after an append; fewer after a crop), added on reading.
 
-    All three live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
+    All of them live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all three, which
     is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
@@ -67,10 +70,12 @@ class PackedKV(torch.Tensor):
     scales: torch.Tensor
     residual: torch.Tensor
     spec: QuantSpec
+    fine_codes: torch.Tensor | None
+    fine_scales: torch.Tensor | None
     _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
-    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None):
+    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
             shape = (B, H, S_q + residual.shape[2], residual.shape[3])
@@ -78,11 +83,14 @@ class PackedKV(torch.Tensor):
             cls, shape, dtype=residual.dtype, device=codes.device, requires_grad=False
         )
 
-    def __init__(self, codes, scales, residual, spec, shape=None, rows=None):
+    def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None):
+        if (fine is not None) != bool(spec.refine):
+            raise ValueError(f"a spec with refine={spec.refine} needs {'a' if spec.refine else 'no'} second code plane")
         self.codes = codes
         self.scales = scales
         self.residual = residual
         self.spec = spec
+        self.fine_codes, self.fine_scales = fine if fine is not None else (None, None)
         self._rows = rows
 
     @classmethod
@@ -102,8 +110,11 @@ class PackedKV(torch.Tensor):
                 f"a preallocated (static) cache needs per-token groups, got scheme={spec.scheme!r}; "
                 "per-channel groups need their tokens in order"
             )
-        if spec.window:
-            raise ValueError(f"a preallocated (static) cache quantizes every slot it writes; got window={spec.window}, use 0")
+        if spec.window or spec.refine:
+            raise ValueError(
+                "a preallocated (static) cache quantizes every slot it writes once; "
+                f"got window={spec.window}, refine={spec.refine}, use 0 for both"
+            )
         B, H, S, D = shape
         empty = _empty_like(torch.empty((B, H, 0, D), dtype=dtype, device=device), spec)
         # Zero scales decode every slot to exactly zero, whatever its codes.
@@ -115,6 +126,8 @@ class PackedKV(torch.Tensor):
 
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
+        if self.spec.refine:
+            return self._refined_append(new)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec))
             return self._extended(codes, scales, self.residual)
@@ -126,16 +139,34 @@ class PackedKV(torch.Tensor):
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:])
 
+    def _refined_append(self, new: torch.Tensor) -> PackedKV:
+        """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
+        plain = _unrotated(self.spec)
+        # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
+        new = new.to(self.dtype).contiguous()
+        stored = ops.rotate(new) if self.spec.rotate else new
+        codes, scales = ops.quantize(stored, *ops.codec_args(plain))
+        T = new.shape[2]
+        n_fine = self.spec.refined_tokens(self.codes.shape[2] + T)
+        first = T - torch.sym_min(T, n_fine)  # older new tokens never carry the plane
+        empty = stored.new_empty((*stored.shape[:2], 0, stored.shape[3]), dtype=torch.float32)
+        deq = ops.dequantize(codes[:, :, first:], scales[:, :, first:], empty, *ops.spec_args(plain))
+        fine_codes, fine_scales = ops.quantize(stored[:, :, first:].float() - deq, *ops.codec_args(plain))
+        fine_codes, fine_scales = _cat(self.fine_codes, fine_codes), _cat(self.fine_scales, fine_scales)
+        drop = torch.sym_max(fine_codes.shape[2] - n_fine, 0)
+        return self._extended(codes, scales, self.residual, (fine_codes[:, :, drop:], fine_scales[:, :, drop:]))
+
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
         ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.codec_args(self.spec))
         return self
 
-    def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor) -> PackedKV:
-        """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail."""
+    def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, fine=None) -> PackedKV:
+        """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
+        (and ``fine`` as the new second code plane)."""
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
-            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec)
+            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, fine=fine)
         rows = self._rows
         if rows is not None and rows.ends_at(self.codes, self.scales):
             new_codes, new_scales = _grow(self.codes, codes), _grow(self.scales, scales)
@@ -143,19 +174,26 @@ class PackedKV(torch.Tensor):
         else:
             new_codes, new_scales = _copy_with_headroom(self.codes, codes), _copy_with_headroom(self.scales, scales)
             rows = _WrittenRows(_row_span(new_codes)[1], _row_span(new_scales)[1])
-        return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows)
+        return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows, fine=fine)
 
     def dequantize(self) -> torch.Tensor:
         """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
-        return ops.dequantize(self.codes, self.scales, self.residual, *ops.spec_args(self.spec))
+        return ops.dequantize(self.codes, self.scales, self.residual, *ops.spec_args(self.spec), *self._fine_planes())
+
+    def _fine_planes(self) -> tuple[torch.Tensor, ...]:
+        """``(fine_codes, fine_scales)``, or ``()`` without a refined spec."""
+        return () if self.fine_codes is None else (self.fine_codes, self.fine_scales)
+
+    def _inner(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.__tensor_flatten__()[0]]
 
     def stored_bytes(self) -> int:
         """Bytes of the tokens this cache holds (its logical contents, not spare capacity)."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.residual))
+        return sum(t.numel() * t.element_size() for t in self._inner())
 
     def reserved_bytes(self) -> int:
         """Bytes allocated for this cache: :meth:`stored_bytes` plus the rows kept for growth."""
-        return sum(t.untyped_storage().nbytes() for t in (self.codes, self.scales, self.residual))
+        return sum(t.untyped_storage().nbytes() for t in self._inner())
 
     def __getitem__(self, index):
         result = super().__getitem__(index)
@@ -163,7 +201,8 @@ class PackedKV(torch.Tensor):
             # A crop outside graphs (DynamicCache.crop) must not stay an autograd view of the
             # longer cache: Dynamo would rebuild it from that base by replaying the slice, whose
             # length is a constant, and compile a graph per length (assisted decoding).
-            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows)
+            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows,
+                            fine=result._fine_planes() or None)  # fmt: skip
         return result
 
     def __repr__(self):
@@ -171,21 +210,24 @@ class PackedKV(torch.Tensor):
             f"PackedKV(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.bits}-bit {self.spec.scheme} "
             f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}"
             f"{'' if self.spec.symmetric else ', asymmetric'}{', clipped scales' if self.spec.clip else ''}"
-            f", residual={self.residual.shape[2]})"
+            f", residual={self.residual.shape[2]}"
+            f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'})"
         )
 
     # --- tracing ------------------------------------------------------------------------
 
     def __tensor_flatten__(self):
-        return ["codes", "scales", "residual"], self.spec
+        return ["codes", "scales", "residual"] + (["fine_codes", "fine_scales"] if self.spec.refine else []), self.spec
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
-        return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size)
+        fine = (inner["fine_codes"], inner["fine_scales"]) if spec.refine else None
+        return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine)
 
     def __reduce_ex__(self, protocol):
         # contiguous(): a growable cache's views would otherwise save their spare rows too.
-        return _rebuild, (self.codes.contiguous(), self.scales.contiguous(), self.residual, self.spec)
+        return _rebuild, (self.codes.contiguous(), self.scales.contiguous(), self.residual, self.spec,
+                          self._fine_planes() or None)  # fmt: skip
 
     # Torch functions reach __torch_dispatch__ as aten ops, where the table below applies.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -201,8 +243,8 @@ class PackedKV(torch.Tensor):
         return _fallback(func, args, kwargs)
 
 
-def _rebuild(codes, scales, residual, spec):
-    return PackedKV(codes, scales, residual, spec)
+def _rebuild(codes, scales, residual, spec, fine=None):
+    return PackedKV(codes, scales, residual, spec, fine=fine)
 
 
 torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
@@ -296,11 +338,27 @@ def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     B, H, _, D = x.shape
     codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
-    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec)
+    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=(codes, scales) if spec.refine else None)
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:
-    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec)
+    fine = tuple(fn(x) for x in t._fine_planes()) or None
+    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine)
+
+
+def _fine_between(t: PackedKV, start, stop):
+    """The second code plane of ``t``'s quantized tokens ``[start, stop)`` (None without one).
+
+    At most the newest ``refined_tokens(stop - start)`` of them keep it, as in a cache that holds
+    just those tokens: a sliding window's eviction then matches a cache built at its length.
+    """
+    if t.fine_codes is None:
+        return None
+    fine_start = t.codes.shape[2] - t.fine_codes.shape[2]
+    # sym_max instead of max keeps symbolic lengths free of guards.
+    hi = torch.sym_max(stop - fine_start, 0)
+    lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - t.spec.refined_tokens(stop - start))
+    return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
 
 
 def _seq_dim(dim: int, ndim: int = 4) -> bool:
@@ -327,14 +385,14 @@ def _cat_impl(func, args, kwargs):
 @_implements(aten.index_copy_.default)
 def _index_copy_impl(func, args, kwargs):
     t, dim, index, source = args
-    if not _seq_dim(dim) or t.spec.scheme != "token" or isinstance(source, PackedKV):
+    if not _seq_dim(dim) or not _is_slot_buffer(t) or isinstance(source, PackedKV):
         return NotImplemented
     return t.write_(index, source)  # StaticLayer.update: straight into the slots
 
 
 def _is_slot_buffer(t: PackedKV) -> bool:
     """Every token in a slot of its own (per-token groups, nothing unquantized): a static buffer."""
-    return t.spec.scheme == "token" and t.residual.shape[2] == 0
+    return t.spec.scheme == "token" and t.residual.shape[2] == 0 and not t.spec.refine
 
 
 @_implements(aten.roll.default)
@@ -371,12 +429,12 @@ def _copy_impl(func, args, kwargs):
         return dst.write_(torch.arange(dst.shape[2], device=src.device), src)
     if not (isinstance(dst, PackedKV) and isinstance(src, PackedKV)) or dst.spec != src.spec:
         return NotImplemented
-    if any(getattr(dst, n).shape != getattr(src, n).shape for n in ("codes", "scales", "residual")):
+    if any(d.shape != s.shape for d, s in zip(dst._inner(), src._inner())):
         return NotImplemented
     # AOTAutograd writes a mutated cache input back with copy_ (static caches after
     # kv4::write_); copying the stored form keeps that write exact and functional.
-    for name in ("codes", "scales", "residual"):
-        getattr(dst, name).copy_(getattr(src, name))
+    for d, s in zip(dst._inner(), src._inner()):
+        d.copy_(s)
     return dst
 
 
@@ -415,6 +473,7 @@ def _slice_impl(func, args, kwargs):
         return PackedKV(
             t.codes[:, :, start:codes_end], t.scales[:, :, start:codes_end],
             t.residual[:, :, max(start - n_quant, 0) : max(end - n_quant, 0)], t.spec, rows=t._rows,
+            fine=_fine_between(t, start, codes_end),
         )  # fmt: skip
     return NotImplemented
 
@@ -427,9 +486,11 @@ def _crop(t: PackedKV, length: int) -> PackedKV:
     """
     n_quant = t.codes.shape[2]
     if length >= n_quant:
-        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec, rows=t._rows)
+        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec, rows=t._rows,
+                        fine=t._fine_planes() or None)  # fmt: skip
     if t.spec.scheme == "token":
-        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec, rows=t._rows)
+        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec, rows=t._rows,
+                        fine=_fine_between(t, 0, length))  # fmt: skip
     # A per-channel group cut in two: its surviving tokens go back to the residual, with
     # the values they had (dequantized), so no token changes value.
     g = t.spec.group
@@ -452,7 +513,7 @@ def _to_copy_impl(func, args, kwargs):
     device = kwargs.get("device", t.device)
     dtype = kwargs.get("dtype", t.dtype)
     moved = _map_inner(t, lambda x: x.to(device=device, non_blocking=kwargs.get("non_blocking", False)))
-    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec)
+    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, fine=moved._fine_planes() or None)
 
 
 @_implements(aten.detach.default, aten.clone.default, aten.alias.default)
@@ -489,6 +550,7 @@ def _fallback(func, args, kwargs):
             # func wrote into the dequantized copy; store that back into the caller's cache.
             updated = PackedKV.from_float(plain_args[i], target.spec)
             target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
+            target.fine_codes, target.fine_scales, target._rows = updated.fine_codes, updated.fine_scales, updated._rows
             if result is plain_args[i]:
                 result = target
     return result

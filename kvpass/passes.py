@@ -882,7 +882,7 @@ def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> Quan
     """The buffer ``write`` fills, as int4: allocated so when the graph allocates it."""
     if not _is_buffer_ctor(write.past):
         return write.past.meta["example_value"].spec  # allocated with its spec by an earlier forward
-    spec = dataclasses.replace(spec, window=0)  # fixed slots are quantized as they are written
+    spec = spec.for_slots
     ctor, val = write.past, _val(write.past)
     with graph.inserting_before(ctor):
         packed = graph.call_function(

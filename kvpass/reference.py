@@ -332,19 +332,41 @@ def encode(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor
     return quantize(rotate(x) if spec.rotate else x, spec)
 
 
-def decode(codes, scales, residual, spec: QuantSpec, dtype) -> torch.Tensor:
-    """Logical tensor of a stored cache: dequantized codes, then the residual, unrotated."""
-    x = torch.cat([dequantize(codes, scales, spec, torch.float32), residual.float()], dim=-2)
+def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None) -> torch.Tensor:
+    """Logical tensor of a stored cache: dequantized codes (refined, for the newest
+    ``fine_codes.shape[2]`` of them), then the residual, unrotated."""
+    quantized = _refined(dequantize(codes, scales, spec, torch.float32), fine_codes, fine_scales, spec, 0)
+    x = torch.cat([quantized, residual.float()], dim=-2)
     return (rotate(x) if spec.rotate else x).to(dtype)
 
 
+def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start: int, n_quant: int | None = None):
+    """``deq`` (quantized tokens ``start ..`` of a cache with ``n_quant`` of them, all by default)
+    plus the second code plane where it covers them: the newest ``fine_codes.shape[2]`` tokens."""
+    if fine_codes is None or fine_codes.shape[2] == 0:
+        return deq
+    n_quant = start + deq.shape[2] if n_quant is None else n_quant
+    fine_start = n_quant - fine_codes.shape[2]
+    lo, hi = max(start, fine_start), start + deq.shape[2]
+    if lo >= hi:
+        return deq
+    rows = slice(lo - fine_start, hi - fine_start)
+    correction = dequantize(fine_codes[:, :, rows], fine_scales[:, :, rows], spec)
+    return torch.cat([deq[:, :, : lo - start], deq[:, :, lo - start :] + correction], dim=2)
+
+
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """What a cache built from ``x`` in one go would give back; whole groups only for channel."""
+    """What a cache built from ``x`` (in one go or by appends) gives back; whole groups only for
+    channel; with ``spec.refine`` the newest ``spec.refined_tokens(S)`` tokens refined."""
     B, H, S, D = x.shape
     stored = rotate(x) if spec.rotate else x
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     codes, scales = quantize(stored[:, :, :n_quant], spec)
-    return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype)
+    fine = ()
+    if spec.refine:
+        newest = slice(n_quant - spec.refined_tokens(n_quant), n_quant)
+        fine = quantize(stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec), spec)
+    return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine)
 
 
 # --- attention -------------------------------------------------------------------------
@@ -373,6 +395,10 @@ def attention(
     k_spec: QuantSpec,
     v_spec: QuantSpec,
     softcap: float = 0.0,
+    k_fine_codes: torch.Tensor | None = None,
+    k_fine_scales: torch.Tensor | None = None,
+    v_fine_codes: torch.Tensor | None = None,
+    v_fine_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of ``q`` over ``[stored past, new]`` without materialising the fp past.
 
@@ -382,7 +408,9 @@ def attention(
     ``[B, Hq, T, P + T_new]`` (bool: True attends; float: added). ``is_causal`` is SDPA's
     top-left causal mask over the ``P + T_new`` keys. A row whose keys are all masked is
     zero, as in torch's SDPA. ``softcap > 0`` caps scaled scores to
-    ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). The past is dequantized one block of
+    ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). ``*_fine_*``:
+    the second code plane of a refined spec (``QuantSpec.refine``), added to the newest quantized
+    tokens it covers. The past is dequantized one block of
     tokens at a time with an online softmax, so memory is O(block), not O(P). A block that the mask (with
     ``is_causal``) excludes for every row is never read, so a static cache's unwritten tail costs nothing and a
     poisoned (NaN) group there stays unseen.
@@ -448,8 +476,8 @@ def attention(
         stop = min(start + block, past)
         if not attended(start, stop):
             continue  # a block the mask excludes for every row is not read (a static cache's tail)
-        k_blk = _stored_block(k_codes, k_scales, k_residual, k_spec, n_quant_k, start, stop)
-        v_blk = _stored_block(v_codes, v_scales, v_residual, v_spec, n_quant_v, start, stop)
+        k_blk = _stored_block(k_codes, k_scales, k_residual, k_spec, n_quant_k, start, stop, k_fine_codes, k_fine_scales)
+        v_blk = _stored_block(v_codes, v_scales, v_residual, v_spec, n_quant_v, start, stop, v_fine_codes, v_fine_scales)
         visit(k_blk, v_blk, q_stored, start, acc_stored)
     if k_new.shape[2]:
         visit(k_new, v_new, qf, past, acc_plain)
@@ -461,7 +489,7 @@ def attention(
     return out.reshape(B, Hq, T, Dv).to(q.dtype)
 
 
-def _stored_block(codes, scales, residual, spec, n_quant, start, stop):
+def _stored_block(codes, scales, residual, spec, n_quant, start, stop, fine_codes=None, fine_scales=None):
     """Tokens ``[start, stop)`` of a stored cache, dequantized (still in the stored domain)."""
     parts = []
     if start < n_quant:
@@ -471,7 +499,8 @@ def _stored_block(codes, scales, residual, spec, n_quant, start, stop):
             blk_scales = scales[:, :, start // g : q_stop // g]
         else:
             blk_scales = scales[:, :, start:q_stop]
-        parts.append(dequantize(codes[:, :, start:q_stop], blk_scales, spec))
+        deq = dequantize(codes[:, :, start:q_stop], blk_scales, spec)
+        parts.append(_refined(deq, fine_codes, fine_scales, spec, start, n_quant))
     if stop > n_quant:
         parts.append(residual[:, :, max(start - n_quant, 0) : stop - n_quant].float())
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

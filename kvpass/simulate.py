@@ -51,10 +51,12 @@ class FpTokens:
         return start, start + (free // self.flush * self.flush if free > 0 else 0)
 
     def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, head_dim: int) -> float:
-        """Bytes of a ``stored``-token cache (fp tokens in fp16) over an all-fp16 cache."""
+        """Bytes of a ``stored``-token cache (fp tokens in fp16, refined tokens' second code
+        plane included) over an all-fp16 cache."""
         start, stop = self.quantized(stored)
-        quant = sum(spec_bytes_per_token(s, head_dim) for s in (k_spec, v_spec))
-        return ((stored - (stop - start)) * 4 * head_dim + (stop - start) * quant) / (stored * 4 * head_dim)
+        n_quant = stop - start
+        quant = sum((n_quant + s.refined_tokens(n_quant)) * spec_bytes_per_token(s, head_dim) for s in (k_spec, v_spec))
+        return ((stored - n_quant) * 4 * head_dim + quant) / (stored * 4 * head_dim)
 
 
 def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:

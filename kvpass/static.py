@@ -27,8 +27,6 @@ the last slot, which PackedKV does in int4, in place (per-token rows move whole)
 
 from __future__ import annotations
 
-import dataclasses
-
 import weakref
 
 import torch
@@ -97,8 +95,7 @@ def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> No
 
 def _specs(k_spec: QuantSpec | None, v_spec: QuantSpec | None) -> tuple[QuantSpec, QuantSpec]:
     default = KVConfig()
-    # Fixed slots are quantized as they are written: a static cache keeps no fp window.
-    return tuple(dataclasses.replace(s, window=0) for s in (k_spec or default.k, v_spec or default.v))
+    return tuple(s.for_slots for s in (k_spec or default.k, v_spec or default.v))
 
 
 class StaticKVCache(StaticCache):

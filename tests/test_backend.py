@@ -44,8 +44,9 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
         (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
         (QuantSpec(4, "channel", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (KVConfig().k, KVConfig().v),
+        (QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),) * 2,
     ],
-    ids=["kivi", "rotated", "asym", "kivi-rotated", "default"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -66,7 +67,7 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     backend = kvpass.kv4(
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
         v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
-        clip=k_spec.clip,
+        clip=k_spec.clip, refine=k_spec.refine,
     )  # fmt: skip
     assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)
@@ -152,6 +153,8 @@ def test_backend_string_works_in_a_process_that_never_imports_kvpass():
         ({"symmetric": "no"}, "symmetric must be True or False, got 'no'"),
         ({"symmetric": False, "clip": True}, "clip=True needs symmetric=True"),
         ({"clip": "mse"}, "clip must be True or False, got 'mse'"),
+        ({"refine": -1}, "refine must be an int >= 0"),
+        ({"window": 64, "refine": 8}, "refine=8 needs scheme='token' and window=0"),
     ],
 )
 def test_invalid_settings_name_the_setting_and_accepted_values(kwargs, message):

@@ -65,7 +65,8 @@ def test_kv4_ratio_head_dim_128():
     ratio = kv_bytes_per_token((32, 8, 128), "kv4") / kv_bytes_per_token((32, 8, 128), "fp16")
     assert ratio == (4.25 + 4.25) / 32 == 0.265625
     assert kv_bytes_per_token((32, 8, 128), "kv4") == 34816  # 34 KiB
-    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB
+    # plus the second code plane of the newest 64 tokens of every layer
+    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 64 * 34816
 
 
 def test_kv4_group_clipped_to_what_head_dim_allows():

@@ -94,14 +94,33 @@ def test_evaluate_grid_rows(model):
     assert "sim-kv4-rot" in table and "delta vs fp" in table
 
 
+def test_prefix_starts_every_stream_and_prompt(model, monkeypatch):
+    seen = []
+    real_nll, real_greedy = kv_eval.streaming_nll, kv_eval.greedy
+    monkeypatch.setattr(kv_eval, "streaming_nll", lambda runner, ids, *a, **k: seen.append(ids) or real_nll(runner, ids, *a, **k))
+    monkeypatch.setattr(kv_eval, "greedy", lambda runner, prompts, *a, **k: seen.append(prompts) or real_greedy(runner, prompts, *a, **k))
+    tokens = _tokens(300, seed=4)
+    settings = kv_eval.Settings(contexts=(96,), chunk=32, prompts=2, prompt_tokens=40, new_tokens=2)
+    rows = kv_eval.evaluate(model, {"t": tokens}, [kv_eval.parse_method("fp")], settings, prefix=torch.tensor([1]))
+    prompts, stream = seen
+    assert prompts.shape == (2, 41) and (prompts[:, 0] == 1).all() and torch.equal(prompts[0, 1:], tokens[96:136])
+    assert stream.shape == (1, 96) and stream[0, 0] == 1 and torch.equal(stream[0, 1:], tokens[:95])
+    assert rows[0]["scored"] == 64
+
+
 def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token",
-                                    v_group=128, v_rotate=True, clip=False)  # fmt: skip
-    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False}
-    # named variants keep the amax scales they were measured with; -mse clips, as the default does
-    assert all(s.clip for s in kv_eval.parse_method("kv4-rot-mse").specs)
-    assert kv_eval.parse_method("kv4-rot-mse").specs == (KVConfig().k, KVConfig().v)
+                                    v_group=128, v_rotate=True, clip=False, refine=0)  # fmt: skip
+    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0}
+    # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
+    refined = kv_eval.parse_method("kv4-rot-mse-r64")
+    assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 64) == 34 / 128 * (1 + 64 / 4096)
+    assert refined.fp16_ratio(256, 64) == 34 / 128 * (1 + 1 / 8)
+    # named variants keep the amax scales (and no plane) they were measured with; -mse clips and
+    # -r64 refines, as the default does
+    assert all(s.clip and not s.refine for s in kv_eval.parse_method("kv4-rot-mse").specs)
+    assert kv_eval.parse_method("kv4-rot-mse-r64").specs == (KVConfig().k, KVConfig().v)
     assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
     assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
     k, v = kv_eval.parse_method("kv4-kivi").specs

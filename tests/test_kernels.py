@@ -172,17 +172,18 @@ def _inputs(batch, q_heads, kv_heads, q_len, past, new, head_dim, dtype, specs, 
     return q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_new, v_new
 
 
-def _check(args, attn_mask, is_causal, specs, dtype, out=None, softcap=0.0):
+def _check(args, attn_mask, is_causal, specs, dtype, out=None, softcap=0.0, fine=()):
     q = args[0]
     scale = q.shape[-1] ** -0.5
-    expected = reference.attention(*args, attn_mask, scale, is_causal, *specs, softcap)
+    expected = reference.attention(*args, attn_mask, scale, is_causal, *specs, softcap, *fine)
     if out is None:
         out = torch.full(expected.shape, float("nan"), dtype=dtype)
     else:
         out.fill_(float("nan"))
-    result = attention(*args, attn_mask, scale, is_causal, *specs, softcap, out=out)
+    result = attention(*args, attn_mask, scale, is_causal, *specs, softcap, *fine, out=out)
     assert result is out
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    return expected
 
 
 PASTS = (0, 1, 63, 64, 65, 300)
@@ -236,6 +237,33 @@ def test_decode_over_growable_storage():
     q, new = torch.randn(1, 8, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
     args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
     _check(args, None, False, WINDOWED, torch.float32)
+
+
+REFINED = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+ASYM_REFINED = QuantSpec(bits=4, scheme="token", group=32, symmetric=False, refine=24)
+
+
+@pytest.mark.parametrize(
+    "past, q_len, dtype, spec",
+    [(40, 1, torch.float16, REFINED), (300, 1, torch.float32, REFINED), (1100, 3, torch.bfloat16, REFINED),
+     (1100, 1, torch.float32, REFINED), (500, 4, torch.float32, ASYM_REFINED)],
+)  # fmt: skip
+def test_attention_over_a_refined_plane(past, q_len, dtype, spec):
+    """Codes grown by appends plus the second code plane of their newest tokens (``refine``)."""
+    from kvpass.packed import PackedKV
+
+    gen = torch.Generator().manual_seed(past)
+    k, v = (PackedKV.from_float(torch.randn(2, 2, past - 37, 64, generator=gen).to(dtype), spec) for _ in "kv")
+    for step in (30, 1, 5, 1):
+        k, v = (t.append(torch.randn(2, 2, step, 64, generator=gen).to(dtype)) for t in (k, v))
+    assert k.fine_codes.shape[2] == min(spec.refine, past // 8)
+    q = torch.randn(2, 8, q_len, 64, generator=gen).to(dtype)
+    new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
+    args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
+    refined = _check(args, None, False, (spec, spec), dtype, fine=(k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales))
+    if dtype == torch.float32:  # the plane is read: without it the output moves well past the tolerance
+        unrefined = reference.attention(*args, None, 0.125, False, spec, spec)
+        assert (refined - unrefined).abs().max() > 100 * TOLERANCE[dtype]["atol"]
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])

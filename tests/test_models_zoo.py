@@ -107,6 +107,27 @@ def test_missing_package_names_install_command(monkeypatch):
         real_model.gguf_path()
 
 
+def test_load_model_names_what_it_accepts(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"not 'smollm2', an existing \.gguf file or a save_pretrained directory"):
+        real_model.load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        real_model.load_model(str(tmp_path))
+
+
+def test_load_model_reads_a_saved_directory(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(32)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
+    model, tokenizer = real_model.load_model(str(tmp_path), dtype=torch.float64)
+    assert model.config.num_hidden_layers == 1 and model.dtype == torch.float64 and not model.training
+    assert len(tokenizer) == 32
+
+
 @needs_smollm2
 def test_gguf_file_located_without_importing_package():
     import sys
@@ -121,7 +142,7 @@ def test_gguf_file_located_without_importing_package():
     reason="loads SmolLM2 (~17 s the first time); set KVPASS_REAL_MODEL=1",
 )
 def test_smollm2_answers_paris():
-    model, tokenizer = real_model.load_smollm2()
+    model, tokenizer = real_model.load_model("smollm2")
     cfg = model.config
     assert (
         cfg.num_hidden_layers,
@@ -134,7 +155,7 @@ def test_smollm2_answers_paris():
     answer = tokenizer.decode(out[0, ids.input_ids.shape[1] :])
     assert answer.startswith(" Paris"), answer
     # The second load comes from the converted copy and must match the first.
-    again, _ = real_model.load_smollm2()
+    again, _ = real_model.load_model("smollm2")
     assert torch.equal(
         again.model.layers[0].self_attn.k_proj.weight, model.model.layers[0].self_attn.k_proj.weight
     )

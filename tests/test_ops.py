@@ -54,6 +54,19 @@ def test_opcheck_attention(specs, past, new, mask):
     torch.library.opcheck(ops.attention, _attention_args(past, new, specs, mask))
 
 
+def test_opcheck_with_second_code_planes():
+    """A refined spec's planes ride as optional trailing tensors of dequantize and attention."""
+    from kvpass.packed import PackedKV
+
+    spec = QuantSpec(4, "token", 64, True, clip=True, refine=64)
+    k, v = (PackedKV.from_float(torch.randn(2, 2, 300, 64), spec) for _ in "kv")
+    assert k.fine_codes.shape[2] == 300 // 8
+    torch.library.opcheck(ops.dequantize, (k.codes, k.scales, k.residual, *ops.spec_args(spec), k.fine_codes, k.fine_scales))
+    args = list(_attention_args(300, 2, (spec, spec), mask=True))
+    args[1:4], args[4:7] = (k.codes, k.scales, k.residual), (v.codes, v.scales, v.residual)
+    torch.library.opcheck(ops.attention, (*args, 0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales))
+
+
 def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
     x = torch.randn(1, 2, 128, 64) + 5.0
     for spec, shape in [(ASYM[0], (1, 2, 2, 64, 2)), (ASYM[1], (1, 2, 128, 1, 2))]:

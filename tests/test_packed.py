@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvpass.config import QuantSpec
+from kvpass.config import REFINE_SHARE, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
 
@@ -17,6 +17,7 @@ SPECS = [
     QuantSpec(4, "token", 32, rotate=True),
     QuantSpec(4, "channel", 64, symmetric=False),
     QuantSpec(4, "token", 64, rotate=True, symmetric=False),
+    QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),
 ]
 
 
@@ -99,7 +100,9 @@ def test_save_load_round_trip(spec):
     buffer.seek(0)
     loaded = torch.load(buffer)["keys"]  # weights_only=True: PackedKV is an allowed global
     assert isinstance(loaded, PackedKV) and loaded.spec == p.spec
-    for name in ("codes", "scales", "residual"):
+    names = p.__tensor_flatten__()[0]
+    assert len(names) == (5 if spec.refine else 3)
+    for name in names:
         assert torch.equal(getattr(loaded, name), getattr(p, name))
 
 
@@ -324,3 +327,74 @@ def test_window_eviction_and_crop_cut_across_codes_and_residual():
     grown = cropped.append(x[:, :, 280:281])
     assert _storage(grown.codes) == _storage(p.codes)  # ...so appends stay in place
     torch.testing.assert_close(grown.dequantize()[:, :, :281], full[:, :, :281], rtol=0, atol=0)
+
+
+# --- refinement plane (QuantSpec.refine) -----------------------------------------------------
+
+REFINED = QuantSpec(4, "token", 32, clip=True, refine=40)
+
+
+@pytest.mark.parametrize("S", [0, 15, 16, 200, 640, 641, 1000])
+def test_refined_tokens_read_back_within_the_second_planes_bound(S):
+    """The newest min(refine, S // 8) tokens carry the plane; their error is that of quantizing
+    the first plane's error, so the plane's own scales bound it (unrotated, so per element)."""
+    from kvpass.reference import error_bound
+
+    x = torch.randn(2, 3, S, 64)
+    p = PackedKV.from_float(x, REFINED)
+    n_fine = min(40, S // 8)
+    assert p.fine_codes.shape == (2, 3, n_fine, 32) and p.fine_scales.shape == (2, 3, n_fine, 2)
+    error = (p.dequantize() - x).abs()
+    bound = error_bound(p.fine_scales, REFINED).repeat_interleave(32, dim=-1)
+    assert (error[:, :, S - n_fine :] <= bound).all()
+    if n_fine:  # about 8-bit accurate, where the others are 4-bit
+        assert error[:, :, S - n_fine :].mean() < error[:, :, : S - n_fine].mean() / 8
+    unrefined = PackedKV.from_float(x, dataclasses.replace(REFINED, refine=0))
+    assert p.stored_bytes() <= (1 + 1 / REFINE_SHARE) * unrefined.stored_bytes()
+
+
+def test_refined_appends_match_building_in_one_go():
+    x = torch.randn(1, 2, 900, 64)
+    p = PackedKV.from_float(x[:, :, :10], REFINED)
+    for start in range(10, 900, 89):  # a decode step, then a chunk: the plane shifts both ways
+        p = p.append(x[:, :, start : start + 1]).append(x[:, :, start + 1 : start + 89])
+    assert p.shape[2] == 900
+    whole = PackedKV.from_float(x, REFINED)
+    for name in ("codes", "scales", "fine_codes", "fine_scales"):
+        assert torch.equal(getattr(p, name), getattr(whole, name)), name
+    assert torch.equal(p.dequantize(), quantize_dequantize(x, REFINED))
+
+
+def test_eviction_crop_and_beam_select_keep_each_tokens_plane():
+    x = torch.randn(3, 2, 700, 64)
+    p = PackedKV.from_float(x, REFINED)  # the newest 40 tokens refined
+    full = p.dequantize()
+    # A sliding window's eviction keeps the newest tokens: the same as a cache built at its length
+    # (the newest min(40, length // 8) refined), whatever it held before.
+    for sl in (slice(200, 700), slice(680, 700), slice(699, 700)):
+        part = p[:, :, sl]
+        assert isinstance(part, PackedKV) and part.fine_codes.shape[2] == min(40, (sl.stop - sl.start) // 8)
+        assert torch.equal(part.dequantize(), quantize_dequantize(x[:, :, sl], REFINED))
+    # A crop keeps the planes its tokens had (never more than that length would have).
+    for sl in (slice(0, 670), slice(0, 600), slice(100, 690)):
+        part = p[:, :, sl]
+        torch.testing.assert_close(part.dequantize(), full[:, :, sl], rtol=0, atol=0)
+    # A crop into the plane keeps the surviving rows' planes; the regrown tail is refined anew.
+    grown = p[..., :670, :].append(x[:, :, 670:700])
+    assert grown.fine_codes.shape[2] == 40
+    torch.testing.assert_close(grown.dequantize(), full, rtol=0, atol=0)
+    order = torch.tensor([2, 0, 1])
+    torch.testing.assert_close(p[order].dequantize(), full[order], rtol=0, atol=0)
+
+
+def test_refine_needs_per_token_groups_without_a_window_and_static_caches_strip_it():
+    with pytest.raises(ValueError, match="refine=8 needs scheme='token' and window=0"):
+        QuantSpec(4, "channel", 64, refine=8)
+    with pytest.raises(ValueError, match="refine=8 needs scheme='token' and window=0"):
+        QuantSpec(4, "token", 64, window=64, refine=8)
+    with pytest.raises(ValueError, match="refine must be an int >= 0"):
+        QuantSpec(refine=-1)
+    assert QuantSpec.from_tag("int4:token:64:rot:mse:r64") == QuantSpec(4, "token", 64, True, clip=True, refine=64)
+    assert REFINED.for_slots.refine == 0
+    with pytest.raises(ValueError, match="preallocated"):
+        PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", REFINED)

@@ -133,9 +133,9 @@ def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
     read = []
     original = reference._stored_block
 
-    def recording(codes, scales, residual, spec, n_quant, start, stop):
+    def recording(codes, scales, residual, spec, n_quant, start, stop, *fine):
         read.append(start)
-        return original(codes, scales, residual, spec, n_quant, start, stop)
+        return original(codes, scales, residual, spec, n_quant, start, stop, *fine)
 
     monkeypatch.setattr(reference, "_stored_block", recording)
     model.compile(backend=kvpass.kv4())

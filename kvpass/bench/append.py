@@ -36,7 +36,10 @@ def _appender(method: str, past: torch.Tensor, spec):
     packed = PackedKV.from_float(past, spec)
     if method == "kv4 copy":
         # Dropping the growth bookkeeping makes every append copy into new storage.
-        return packed, lambda cache, new: PackedKV(cache.codes, cache.scales, cache.residual, spec).append(new)
+        def copying(cache, new):
+            return PackedKV(cache.codes, cache.scales, cache.residual, spec, fine=cache._fine_planes() or None).append(new)
+
+        return packed, copying
     return packed, lambda cache, new: cache.append(new)
 
 
