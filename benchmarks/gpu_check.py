@@ -26,7 +26,7 @@ TOLERANCE = {
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 128, rotate=True), QuantSpec(4, "token", 128, rotate=True))
 INT2_INT8 = (QuantSpec(2, "channel", 16), QuantSpec(8, "token", 32))
-DEFAULT = (KVConfig().k, KVConfig().v)  # clipped least-error scales: negative scales, code -8
+DEFAULT = (KVConfig().k, KVConfig().v)  # clipped scales (negative scales, code -8), a second code plane
 
 QUANTIZE_CASES = [
     (QuantSpec(4, "token", 128), (3, 8, 1000, 128)),
@@ -57,10 +57,12 @@ ATTENTION_CASES = [
 
 
 def _store(x, spec):
+    """``(codes, scales, residual)`` and the second code plane (``(None, None)`` without ``refine``)."""
     stored = reference.rotate(x) if spec.rotate else x
     n_quant = x.shape[2] - x.shape[2] % spec.group if spec.scheme == "channel" else x.shape[2]
     codes, scales = reference.quantize(stored[:, :, :n_quant], spec)
-    return codes, scales, stored[:, :, n_quant:].contiguous()
+    fine = reference.second_plane(stored[:, :, :n_quant], codes, scales, spec) if spec.refine else (None, None)
+    return (codes, scales, stored[:, :, n_quant:].contiguous()), fine
 
 
 def check_quantize(kernels) -> bool:
@@ -88,8 +90,8 @@ def check_attention(kernels) -> bool:
             return torch.randn(shape, device="cuda").to(dtype)
 
         k_spec, v_spec = specs
-        stored_k = _store(randn(B, Hkv, past, D), k_spec)
-        stored_v = _store(randn(B, Hkv, past, D), v_spec)
+        stored_k, fine_k = _store(randn(B, Hkv, past, D), k_spec)
+        stored_v, fine_v = _store(randn(B, Hkv, past, D), v_spec)
         q, k_new, v_new = randn(B, Hq, T, D), randn(B, Hkv, T, D), randn(B, Hkv, T, D)
         total = past + T
         attn_mask = None
@@ -98,7 +100,8 @@ def check_attention(kernels) -> bool:
         elif mask_kind == "pad":
             valid = torch.randint(1, total + 1, (B,), device="cuda")
             attn_mask = (torch.arange(total, device="cuda")[None, :] >= (total - valid)[:, None])[:, None, None, :]
-        args = (q, *stored_k, *stored_v, k_new, v_new, attn_mask, D**-0.5, mask_kind == "causal", k_spec, v_spec)
+        args = (q, *stored_k, *stored_v, k_new, v_new, attn_mask, D**-0.5, mask_kind == "causal", k_spec, v_spec,
+                0.0, *fine_k, *fine_v)  # fmt: skip
         expected = reference.attention(*args)
         out = torch.full_like(expected, float("nan"))
         kernels.attention(*args, out=out)

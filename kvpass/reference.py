@@ -362,11 +362,16 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     stored = rotate(x) if spec.rotate else x
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     codes, scales = quantize(stored[:, :, :n_quant], spec)
-    fine = ()
-    if spec.refine:
-        newest = slice(n_quant - spec.refined_tokens(n_quant), n_quant)
-        fine = quantize(stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec), spec)
+    fine = second_plane(stored[:, :, :n_quant], codes, scales, spec) if spec.refine else ()
     return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine)
+
+
+def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec):
+    """``(fine_codes, fine_scales)`` of quantized tokens ``stored`` (stored domain) whose
+    ``codes``/``scales`` are given: the error of the newest ``spec.refined_tokens(S)``, quantized."""
+    S = stored.shape[2]
+    newest = slice(S - spec.refined_tokens(S), S)
+    return quantize(stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec), spec)
 
 
 # --- attention -------------------------------------------------------------------------
