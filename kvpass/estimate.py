@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
-from kvpass.config import KVConfig
+from kvpass.config import REFINE_SHARE, KVConfig
 
 logger = logging.getLogger("kvpass")
 
@@ -443,7 +443,8 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
             f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element (scale per {k_span} {k_unit}), "
-        f"V {v_bits:g} bits/element (scale per {v_span} channels per token); "
+        f"V {v_bits:g} bits/element (scale per {v_span} channels per token), the newest "
+        f"min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
         "fp8/int8 without scales",
         *sizes.notes,
     ]
