@@ -148,13 +148,18 @@ class PackedKV(torch.Tensor):
         codes, scales = ops.quantize(stored, *ops.codec_args(plain))
         T = new.shape[2]
         n_fine = self.spec.refined_tokens(self.codes.shape[2] + T)
-        first = T - torch.sym_min(T, n_fine)  # older new tokens never carry the plane
+        # Older new tokens never carry the plane. Bounding by refine, not n_fine, keeps the rows
+        # computed here independent of the cache's length (no guard on it in decode graphs).
+        first = T - torch.sym_min(T, self.spec.refine)
         empty = stored.new_empty((*stored.shape[:2], 0, stored.shape[3]), dtype=torch.float32)
         deq = ops.dequantize(codes[:, :, first:], scales[:, :, first:], empty, *ops.spec_args(plain))
-        fine_codes, fine_scales = ops.quantize(stored[:, :, first:].float() - deq, *ops.codec_args(plain))
-        fine_codes, fine_scales = _cat(self.fine_codes, fine_codes), _cat(self.fine_scales, fine_scales)
-        drop = torch.sym_max(fine_codes.shape[2] - n_fine, 0)
-        return self._extended(codes, scales, self.residual, (fine_codes[:, :, drop:], fine_scales[:, :, drop:]))
+        new_planes = ops.quantize(stored[:, :, first:].float() - deq, *ops.codec_args(plain))
+        # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
+        # off its oldest rows keeps it dense, so decode graphs need no guard on either.
+        planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
+        drop = torch.sym_max(planes[0].shape[0] - n_fine, 0)
+        fine = tuple(plane[drop:].movedim(0, 2) for plane in planes)
+        return self._extended(codes, scales, self.residual, fine)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
