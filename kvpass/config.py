@@ -48,7 +48,7 @@ class QuantSpec:
     keeps for the newest ``min(R, S // 8)`` tokens a second plane of codes and scales: their
     quantization error, quantized with the same spec (:meth:`refined_tokens`). Those tokens
     read back at about twice the bits; a token leaving the plane just drops its second
-    codes, so nothing is ever quantized twice.
+    codes, so its first codes never change.
     """
 
     bits: int = 4

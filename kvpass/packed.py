@@ -51,7 +51,7 @@ class PackedKV(torch.Tensor):
       (``F = spec.refined_tokens(S_q)`` after an append; fewer after a crop), added on reading.
 
     All of them live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
-    Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all three, which
+    Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them, which
     is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
 
@@ -343,7 +343,8 @@ def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     B, H, _, D = x.shape
     codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
-    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=(codes, scales) if spec.refine else None)
+    fine = (codes.new_empty(codes.shape), scales.new_empty(scales.shape)) if spec.refine else None  # no aliases
+    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine)
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:
