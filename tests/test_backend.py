@@ -194,3 +194,20 @@ def test_inner_compilers_give_the_eager_inner_tokens(inner):
         results.append(tokens)
     assert torch.equal(*results)
 
+
+
+@pytest.mark.parametrize("prompt, graphs", [(5, 5), (200, 4)])
+@torch.no_grad()
+def test_second_plane_adds_at_most_two_graphs_to_a_generate(prompt, graphs):
+    """The plane's length follows the cache's; kept sequence-major and built from at most
+    ``refine`` new rows, it costs Dynamo's 0/1 size specialisations and one dynamic size, not a
+    graph per length (3 graphs without it)."""
+    counts = []
+    for refine in (0, 64):
+        torch._dynamo.reset()
+        model = kv_heavy_llama(layers=1)
+        backend = kvpass.kv4(refine=refine)
+        model.compile(backend=backend)
+        model.generate(_ids(prompt), max_new_tokens=30, do_sample=False)
+        counts.append(len(backend.graphs))
+    assert counts == [3, graphs]
