@@ -80,8 +80,8 @@ def kv4_sdpa(
         v_codes, v_scales, v_residual, v_new, *v_fine = (
             t.index_select(1, index) for t in (v_codes, v_scales, v_residual, v_new, *v_fine)
         )
-    k_fine = k._fine_planes() or (None, None)
     return ops.attention(
         q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap, *k_fine, *(v_fine or (None, None)),
+        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
+        *(k._fine_planes() or (None, None)), *(v_fine or (None, None)),  # a refined spec's second planes
     )  # fmt: skip
