@@ -75,24 +75,43 @@ def pack_codes(codes: torch.Tensor, bits: int, symmetric: bool = True) -> torch.
     per_byte = 8 // bits
     if codes.shape[-1] % per_byte:
         raise ValueError(f"head_dim {codes.shape[-1]} must be a multiple of {per_byte} to pack {bits}-bit codes")
-    unsigned = (codes.to(torch.int16) + _code_offset(bits, symmetric)).to(torch.uint8)
+    # Two's complement wraps a signed code into its field; flipping the top bit adds the offset.
+    unsigned = codes.to(torch.uint8)
+    if bits < 8:
+        unsigned = unsigned & ((1 << bits) - 1)
+    if symmetric:
+        unsigned = unsigned ^ _code_offset(bits, symmetric)
     fields = unsigned.unflatten(-1, (-1, per_byte))
-    packed = torch.zeros(fields.shape[:-1], dtype=torch.uint8, device=codes.device)
-    for i in range(per_byte):
-        packed |= fields[..., i] << (bits * i)
+    packed = fields[..., 0]
+    for i in range(1, per_byte):
+        packed = packed | (fields[..., i] << (bits * i))
     return packed
+
+
+def _field(packed: torch.Tensor, bits: int, i: int) -> torch.Tensor:
+    """Field ``i`` (lowest first) of every byte of ``packed``."""
+    shifted = packed >> (bits * i) if i else packed
+    return shifted if bits * (i + 1) == 8 else shifted & ((1 << bits) - 1)  # the top field needs no mask
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, symmetric: bool = True) -> torch.Tensor:
     """``uint8 [..., D * bits // 8]`` -> signed ``int8 [..., D]`` (symmetric) or the
     unsigned fields as ``uint8 [..., D]`` (asymmetric)."""
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
-    fields = [(packed >> (bits * i)) & mask for i in range(per_byte)]
-    unsigned = torch.stack(fields, dim=-1).flatten(-2)
+    unsigned = torch.stack([_field(packed, bits, i) for i in range(8 // bits)], dim=-1).flatten(-2)
     if not symmetric:
         return unsigned
     return (unsigned.to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def _unpacked_float(packed: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """:func:`unpack_codes` as float32 (small integers are exact in it), each field converted as it
+    is written: fewer passes over a block than unpacking and then converting."""
+    per_byte = 8 // bits
+    out = torch.empty((*packed.shape, per_byte), device=packed.device)
+    for i in range(per_byte):
+        out[..., i].copy_(_field(packed, bits, i))
+    out = out.flatten(-2)
+    return out.sub_(_code_offset(bits, symmetric)) if symmetric else out
 
 
 # --- scales ----------------------------------------------------------------------------
@@ -104,7 +123,7 @@ def _group_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: int) -> torch.Tensor:
-    safe = torch.where((scale == 0) | scale.isnan(), torch.ones_like(scale), scale).float()
+    safe = torch.where((scale == 0) | scale.isnan(), 1.0, scale.float())
     return torch.clamp(torch.round(x.float() / safe), code_min, code_max).to(torch.int8)
 
 
@@ -134,27 +153,34 @@ def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
     # All candidates of a row at once (a decode step quantizes a handful of groups, and one
     # op per candidate would cost more than the quantization), in slices that bound memory.
     per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
-    best = torch.cat([_least_error_scale(part, qmax) for part in rows.split(per_slice)])
+    parts = rows.split(per_slice)
+    best = torch.cat([_least_error_scale(part, qmax) for part in parts]) if len(parts) > 1 else _least_error_scale(rows, qmax)
     return best.reshape(x.shape[:-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _signed_divisors(qmax: int, device: torch.device) -> torch.Tensor:
+    # [t0, -t0, t1, -t1, ...]: amax / -t is exactly -(amax / t), so one division gives every
+    # candidate in the order tried. Cached: a decode step quantizes a few groups, and building
+    # this per call cost as much as using it.
+    return torch.tensor([sign * t for t in clip_divisors(qmax) for sign in (1.0, -1.0)], device=device)
 
 
 def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
     """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` fp16."""
     amax = rows.abs().amax(-1, keepdim=True)
-    non_finite = ~torch.isfinite(amax)
-    unit = torch.where((amax == 0) | non_finite, torch.ones_like(amax), amax)
-    divisors = torch.tensor(clip_divisors(qmax), device=rows.device)
-    signs = torch.tensor([1.0, -1.0], device=rows.device, dtype=SCALE_DTYPE)
-    # [N, t, sign] -> [N, candidates], in the order the candidates are tried
-    candidates = ((amax / divisors).to(SCALE_DTYPE)[:, :, None] * signs).flatten(1)
+    finite = torch.isfinite(amax)
+    unit = torch.where(finite & (amax != 0), amax, 1.0)
+    candidates = (amax / _signed_divisors(qmax, rows.device)).to(SCALE_DTYPE)  # [N, candidates]
     scale = candidates.float()[:, :, None]
-    codes = _codes_from(rows[:, None, :], scale, -qmax - 1, qmax).float()
+    # Only a zero candidate needs a safe divisor: a non-finite row's codes are never used.
+    codes = torch.clamp(torch.round(rows[:, None, :] / torch.where(scale == 0, 1.0, scale)), -qmax - 1, qmax)
     # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
-    e = (codes * scale - rows[:, None, :]) / unit[:, :, None]
-    units = torch.floor(torch.where(non_finite[:, :, None], 0.0, e * e) * CLIP_ERROR_UNIT + 0.5)
+    e = torch.where(finite[:, :, None], (codes * scale - rows[:, None, :]) / unit[:, :, None], 0.0)
+    units = (e * e * CLIP_ERROR_UNIT + 0.5).floor_()
     chosen = units.to(torch.int64).sum(-1).argmin(-1, keepdim=True)  # argmin: the first of equal minima
     best = candidates.gather(1, chosen).squeeze(1)
-    return torch.where(non_finite.squeeze(1), torch.full_like(best, float("nan")), best)
+    return torch.where(finite.squeeze(1), best, float("nan"))
 
 
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
@@ -305,7 +331,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize` (up to the quantization error), ``[B, H, S, D]``."""
-    q = unpack_codes(codes, spec.bits, spec.symmetric).float()
+    q = _unpacked_float(codes, spec.bits, spec.symmetric)
     B, H, S, D = q.shape
     scale, zero = split_scales(scales, spec)
     if spec.scheme == "token":
@@ -323,9 +349,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype
 
     # Explicitly expanded operands take torch's fast elementwise path; a size-1 broadcast
     # dimension in the middle is several times slower on CPU.
-    x = q * expand(scale)
+    x = q.mul_(expand(scale))  # q is this call's own buffer
     if zero is not None:
-        x = x + expand(zero)
+        x = x.add_(expand(zero))
     return x.reshape(B, H, S, D).to(dtype)
 
 
