@@ -83,6 +83,24 @@ def check_quantize(kernels) -> bool:
     return ok
 
 
+def check_quantize_refined() -> bool:
+    """``kv4::quantize_refined`` on CUDA (Triton codes, then the plane) against the reference run on
+    the same CUDA tensors (so both rotate with the same matmul)."""
+    from kvpass import ops
+
+    ok = True
+    spec = DEFAULT[0]
+    for tokens in (1, 5, 100):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            x = (torch.randn(2, 3, tokens, 128, device="cuda") * 3).to(dtype)
+            got = ops.quantize_refined(x, *ops.codec_args(spec), spec.refine)
+            expected = reference.encode_refined(x, spec)
+            same = all(torch.equal(a, b) for a, b in zip(got, expected))
+            ok &= same
+            print(f"quantize_refined {spec.tag:18} T{tokens:<4} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
 def check_attention(kernels) -> bool:
     ok = True
     for B, Hq, Hkv, T, past, D, dtype, specs, mask_kind in ATTENTION_CASES:
@@ -125,7 +143,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     start = time.time()
-    ok = check_quantize(kernels) & check_attention(kernels)
+    ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels)
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 

@@ -61,8 +61,8 @@ def quantize(
     return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip))
 
 
-@quantize.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, clip):
+def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool):
+    """Empty ``(codes, scales)`` shaped as :func:`quantize` returns them for ``x``."""
     B, H, S, D = x.shape
     codes = x.new_empty((B, H, S, D * bits // 8), dtype=torch.uint8)
     if scheme == "token":
@@ -75,6 +75,11 @@ def _(x, bits, scheme, group, rotate, symmetric, clip):
     return codes, x.new_empty(scales_shape, dtype=reference.SCALE_DTYPE)
 
 
+@quantize.register_fake
+def _(x, bits, scheme, group, rotate, symmetric, clip):
+    return _stored_like(x, bits, scheme, group, rotate, symmetric)
+
+
 @quantize.register_kernel("cuda")
 def _(x, bits, scheme, group, rotate, symmetric, clip):
     kernels = _triton_kernels()
@@ -82,6 +87,37 @@ def _(x, bits, scheme, group, rotate, symmetric, clip):
     if kernels is None:
         return reference.encode(x.contiguous(), spec)
     return kernels.quantize(reference.rotate(x) if rotate else x, spec)
+
+
+# --- quantize with a second code plane ----------------------------------------------------
+
+
+@torch.library.custom_op("kv4::quantize_refined", mutates_args=())
+def quantize_refined(
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool, refine: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of new tokens ``x [B, H, T, D]`` and the second code plane
+    (``QuantSpec.refine``) of the newest ``min(T, refine)``: ``(codes, scales, fine_codes, fine_scales)``.
+    One op, not four: a decode step appends one token, and each op call costs more than its work."""
+    return reference.encode_refined(x.contiguous(), _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine))
+
+
+def _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine) -> QuantSpec:
+    return QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip, refine=refine)
+
+
+@quantize_refined.register_fake
+def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
+    T = x.shape[2]
+    newest = x[:, :, T - torch.sym_min(T, refine) :]
+    return *_stored_like(x, bits, scheme, group, rotate, symmetric), *_stored_like(newest, bits, scheme, group, rotate, symmetric)
+
+
+@quantize_refined.register_kernel("cuda")
+def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
+    kernels = _triton_kernels()
+    spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
+    return reference.encode_refined(x.contiguous(), spec, *([kernels.quantize] if kernels is not None else []))
 
 
 # --- write (static caches) -------------------------------------------------------------

@@ -141,19 +141,13 @@ class PackedKV(torch.Tensor):
 
     def _refined_append(self, new: torch.Tensor) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
-        plain = _unrotated(self.spec)
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
-        stored = ops.rotate(new) if self.spec.rotate else new
-        codes, scales = ops.quantize(stored, *ops.codec_args(plain))
-        T = new.shape[2]
-        n_fine = self.spec.refined_tokens(self.codes.shape[2] + T)
-        # Older new tokens never carry the plane. Bounding by refine, not n_fine, keeps the rows
-        # computed here independent of the cache's length (no guard on it in decode graphs).
-        first = T - torch.sym_min(T, self.spec.refine)
-        empty = stored.new_empty((*stored.shape[:2], 0, stored.shape[3]), dtype=torch.float32)
-        deq = ops.dequantize(codes[:, :, first:], scales[:, :, first:], empty, *ops.spec_args(plain))
-        new_planes = ops.quantize(stored[:, :, first:].float() - deq, *ops.codec_args(plain))
+        # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
+        # never carry it): bounded by refine, not by the cache's length, so decode graphs need
+        # no guard on that length.
+        codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine)
+        n_fine = self.spec.refined_tokens(self.codes.shape[2] + new.shape[2])
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]

@@ -398,8 +398,26 @@ def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """``(fine_codes, fine_scales)`` of quantized tokens ``stored`` (stored domain) whose
     ``codes``/``scales`` are given: the error of the newest ``spec.refined_tokens(S)``, quantized."""
     S = stored.shape[2]
-    newest = slice(S - spec.refined_tokens(S), S)
-    return quantize(stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec), spec)
+    return _error_plane(stored, codes, scales, spec, S - spec.refined_tokens(S))
+
+
+def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quantize):
+    """The quantization error of tokens ``first ..`` of ``stored`` (their ``codes``/``scales`` given), quantized."""
+    newest = slice(first, stored.shape[2])
+    error = stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec)
+    return quantizer(error, spec)
+
+
+def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize):
+    """:func:`encode` of new tokens ``x [B, H, T, D]``, and the second code plane of the newest
+    ``min(T, spec.refine)`` of them: ``(codes, scales, fine_codes, fine_scales)``.
+
+    ``quantizer`` is :func:`quantize` or a kernel computing exactly the same.
+    """
+    stored = rotate(x) if spec.rotate else x
+    codes, scales = quantizer(stored, spec)
+    T = x.shape[2]
+    return codes, scales, *_error_plane(stored, codes, scales, spec, T - min(T, spec.refine), quantizer)
 
 
 # --- attention -------------------------------------------------------------------------

@@ -67,6 +67,22 @@ def test_opcheck_with_second_code_planes():
     torch.library.opcheck(ops.attention, (*args, 0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 100])
+def test_quantize_refined_is_quantize_and_the_newest_tokens_second_plane(tokens):
+    spec = QuantSpec(4, "token", 32, True, clip=True, refine=8)
+    x = torch.randn(2, 3, tokens, 64, dtype=torch.float16)
+    torch.library.opcheck(ops.quantize_refined, (x, *ops.codec_args(spec), spec.refine))
+    codes, scales, fine_codes, fine_scales = ops.quantize_refined(x, *ops.codec_args(spec), spec.refine)
+    assert fine_codes.shape[2] == fine_scales.shape[2] == min(tokens, spec.refine)
+    expected_codes, expected_scales = ops.quantize(x, *ops.codec_args(spec))
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    # The plane is the newest tokens' quantization error, quantized with the same spec.
+    stored = reference.rotate(x[:, :, -fine_codes.shape[2] :])
+    error = stored.float() - reference.dequantize(*reference.quantize(stored, spec), spec)
+    expected_planes = reference.quantize(error, spec)
+    assert torch.equal(fine_codes, expected_planes[0]) and torch.equal(fine_scales, expected_planes[1])
+
+
 def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
     x = torch.randn(1, 2, 128, 64) + 5.0
     for spec, shape in [(ASYM[0], (1, 2, 2, 64, 2)), (ASYM[1], (1, 2, 128, 1, 2))]:
