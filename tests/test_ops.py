@@ -98,13 +98,13 @@ def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
 def test_cpu_attention_never_dequantizes_more_than_a_block(monkeypatch):
     """The whole fp cache is never materialised: each dequantization covers one block."""
     largest = []
-    original = reference.dequantize
+    original = reference.dequantize_field_major
 
     def recording(codes, *args, **kwargs):
         largest.append(codes.shape[2])
         return original(codes, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "dequantize", recording)
+    monkeypatch.setattr(reference, "dequantize_field_major", recording)
     args = _attention_args(past=1000, new=1, specs=KIVI)
     out = ops.attention(*args)
     block = reference._block_tokens(*KIVI)

@@ -228,6 +228,24 @@ def test_pack_unpack_round_trip_is_exact(bits):
     assert torch.equal(R.unpack_codes(packed, bits), codes)
 
 
+@pytest.mark.parametrize(
+    "spec, D",
+    [
+        (QuantSpec(4, "token", 64, clip=True), 128), (QuantSpec(2, "token", 32), 64), (QuantSpec(8, "token", 16), 64),
+        (QuantSpec(4, "token", 64), 80), (QuantSpec(2, "token", 2), 64), (QuantSpec(4, "channel", 32), 64),
+        (QuantSpec(4, "token", 32, symmetric=False), 64), (QuantSpec(2, "channel", 16, symmetric=False), 96),
+    ],
+    ids=lambda v: v.tag if isinstance(v, QuantSpec) else f"D{v}",
+)  # fmt: skip
+def test_field_major_dequantize_is_dequantize_reordered(spec, D):
+    """Attention reads blocks field-major: the same values, exactly, in field_order."""
+    x = torch.randn(2, 3, 64, D) * 4
+    codes, scales = R.quantize(x, spec)
+    order = R.field_order(D, spec)
+    assert sorted(order.tolist()) == list(range(D))
+    assert torch.equal(R.dequantize_field_major(codes, scales, spec), R.dequantize(codes, scales, spec)[..., order])
+
+
 def test_int4_packs_low_nibble_first():
     codes = torch.tensor([[-7, 7]], dtype=torch.int8)
     # offset binary: -7 -> 1 (low nibble), 7 -> 15 (high nibble)
@@ -420,8 +438,8 @@ def test_blocks_the_mask_excludes_are_not_read(monkeypatch, additive):
         t[:, :, :block] = float("nan") if t.is_floating_point() else 255
         t[:, :, 2 * block :] = float("nan") if t.is_floating_point() else 255
     read = []
-    original = R.dequantize
-    monkeypatch.setattr(R, "dequantize", lambda codes, *a, **kw: read.append(codes.shape[2]) or original(codes, *a, **kw))
+    original = R.dequantize_field_major
+    monkeypatch.setattr(R, "dequantize_field_major", lambda codes, *a: read.append(codes.shape[2]) or original(codes, *a))
     out = R.attention(q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_res, v_res, mask, 0.1, False, spec, spec)
     assert read == [block, block]  # K and V of the middle block only
     assert out.isfinite().all()
