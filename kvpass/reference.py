@@ -483,6 +483,14 @@ def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize):
 # --- attention -------------------------------------------------------------------------
 
 
+# Query rows (batch x query heads x new tokens) one pass of :func:`attention` holds: a larger
+# input (a prefill chunk of several sequences) is split along the batch, so the fp32 queries,
+# accumulators, scores and dequantized blocks of a pass stay those of one sequence's 256-token
+# chunk (2 MiB of scores at 8 heads) instead of growing with the batch. Decode steps (one new
+# token) and single sequences are never split.
+ATTENTION_ROWS = 8 * 256
+
+
 def _block_tokens(k_spec: QuantSpec, v_spec: QuantSpec, target: int = 256) -> int:
     # Blocks hold whole per-channel groups so each block dequantizes independently.
     groups = [s.group for s in (k_spec, v_spec) if s.scheme == "channel"]
@@ -527,6 +535,20 @@ def attention(
     poisoned (NaN) group there stays unseen.
     """
     B, Hq, T, D = q.shape
+    per_pass = max(1, ATTENTION_ROWS // (Hq * T))
+    if B > per_pass:
+        # Batch rows attend independently; each pass gets its rows of every per-sequence input
+        # (a mask without a batch dimension, or broadcast along it, is shared as it is).
+        def rows(t, i):
+            return t if t is None or (t is attn_mask and (t.dim() < 4 or t.shape[0] == 1)) else t[i : i + per_pass]
+
+        stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask)
+        fine = (k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales)
+        return torch.cat([
+            attention(q[i : i + per_pass], *(rows(t, i) for t in stored), scale, is_causal, k_spec, v_spec, softcap,
+                      *(rows(t, i) for t in fine))
+            for i in range(0, B, per_pass)
+        ])  # fmt: skip
     Hkv, Dv = v_new.shape[1], v_new.shape[-1]
     rep = Hq // Hkv
     n_quant_k = k_codes.shape[2]

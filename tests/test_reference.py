@@ -444,3 +444,42 @@ def test_blocks_the_mask_excludes_are_not_read(monkeypatch, additive):
     assert read == [block, block]  # K and V of the middle block only
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mask_shape", ["per-row", "broadcast", "2-d", "none"])
+def test_attention_split_along_the_batch_equals_one_pass(monkeypatch, mask_shape):
+    """A batch with more query rows than ``ATTENTION_ROWS`` runs in passes of whole sequences
+    (bounded temporaries): the same numbers as one pass, masks shared or split by row."""
+    torch.manual_seed(0)
+    spec = QuantSpec(4, "token", 64, rotate=True, clip=True, refine=8)
+    B, Hq, Hkv, P, T, D = 5, 4, 2, 300, 3, 64
+    q = torch.randn(B, Hq, T, D)
+    k, v = torch.randn(B, Hkv, P, D), torch.randn(B, Hkv, P, D)
+    k_new, v_new = torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    stored = []
+    for x in (k, v):
+        codes, scales, residual = _stored(x, spec)
+        stored.append((codes, scales, residual, R.second_plane(R.rotate(x), codes, scales, spec)))
+    (kc, ks, kr, k_fine), (vc, vs, vr, v_fine) = stored
+    masks = {
+        "per-row": torch.rand(B, 1, T, P + T) > 0.3,
+        "broadcast": torch.rand(1, Hq, T, P + T) > 0.3,
+        "2-d": torch.where(torch.rand(T, P + T) > 0.3, 0.0, float("-inf")),
+        "none": None,
+    }
+    mask = masks[mask_shape]
+    if mask is not None:
+        mask[..., -1] = True if mask.dtype == torch.bool else 0.0
+
+    def run():
+        return R.attention(q, kc, ks, kr, vc, vs, vr, k_new, v_new, mask, 0.1, mask is None, spec, spec, 0.0,
+                           *k_fine, *v_fine)  # fmt: skip
+
+    whole = run()
+    passes = []
+    original = R._block_tokens
+    monkeypatch.setattr(R, "_block_tokens", lambda *a: passes.append(1) or original(*a))
+    monkeypatch.setattr(R, "ATTENTION_ROWS", 2 * Hq * T)  # two sequences a pass: 2 + 2 + 1
+    split = run()
+    assert len(passes) == 3
+    assert torch.equal(split, whole)
