@@ -539,14 +539,14 @@ def attention(
     if B > per_pass:
         # Batch rows attend independently; each pass gets its rows of every per-sequence input
         # (a mask without a batch dimension, or broadcast along it, is shared as it is).
-        def rows(t, i):
+        def sequences(t, i):
             return t if t is None or (t is attn_mask and (t.dim() < 4 or t.shape[0] == 1)) else t[i : i + per_pass]
 
         stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask)
         fine = (k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales)
         return torch.cat([
-            attention(q[i : i + per_pass], *(rows(t, i) for t in stored), scale, is_causal, k_spec, v_spec, softcap,
-                      *(rows(t, i) for t in fine))
+            attention(q[i : i + per_pass], *(sequences(t, i) for t in stored), scale, is_causal, k_spec, v_spec,
+                      softcap, *(sequences(t, i) for t in fine))
             for i in range(0, B, per_pass)
         ])  # fmt: skip
     Hkv, Dv = v_new.shape[1], v_new.shape[-1]
