@@ -122,6 +122,22 @@ def test_quantize_bit_exact(spec, shape, dtype):
     assert _bits_equal(scales, scales_ref)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_refined_quantize_through_the_kernel_matches_reference(tokens, dtype):
+    """What ``kv4::quantize_refined`` runs on CUDA: the kernel's codes, then the plane quantized
+    by the kernel too, bit for bit the reference's."""
+    spec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+    gen = torch.Generator().manual_seed(tokens)
+    shape = (2, 3, tokens, 128)
+    x = _hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
+    expected = reference.encode_refined(x, spec)
+    launches = []
+    got = reference.encode_refined(x, spec, lambda t, s: launches.append(t.shape) or quantize(t, s))
+    assert launches == [shape, (2, 3, min(tokens, spec.refine), 128)]  # the codes, then the plane
+    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
+
+
 def test_quantize_into_cache_slice():
     spec = QuantSpec(bits=4, scheme="channel", group=64)
     x = torch.randn(2, 2, 64, 64, dtype=torch.float16)
