@@ -565,7 +565,13 @@ def attention(
     k_order, v_order = field_order(D, k_spec, q.device), field_order(Dv, v_spec, q.device)
     q_stored = q_stored[..., k_order]
     if attn_mask is not None:
-        attn_mask = attn_mask.expand(B, Hq, T, total).reshape(B, Hkv, rep * T, total)
+        # A view: each block's columns are grouped by KV head as they are read. Grouping the
+        # whole mask at once copies it whenever rep > 1 ([B, Hq, T, P] per call, 32 MiB for a
+        # 256-token chunk of 32 query heads at 4K).
+        attn_mask = attn_mask.expand(B, Hq, T, total)
+
+    def mask_columns(start, stop):
+        return attn_mask[..., start:stop].reshape(B, Hkv, rep * T, stop - start)
     rows = torch.arange(T, device=q.device).repeat(rep)[:, None]
 
     m = torch.full((B, Hkv, rep * T, 1), float("-inf"), device=q.device)
@@ -575,19 +581,20 @@ def attention(
 
     def visit(k_blk, v_blk, q_blk, start, acc):
         nonlocal m, denom
-        s = (q_blk @ k_blk.float().transpose(-1, -2)) * scale
+        # In place on the block's own scores: one scores-sized tensor per block, not one per step.
+        s = (q_blk @ k_blk.float().transpose(-1, -2)).mul_(scale)
         if softcap:
-            s = softcap * torch.tanh(s / softcap)
+            s = s.div_(softcap).tanh_().mul_(softcap)
         if is_causal:
             cols = torch.arange(start, start + k_blk.shape[2], device=q.device)[None, :]
-            s = s.masked_fill(cols > rows, float("-inf"))
+            s = s.masked_fill_(cols > rows, float("-inf"))
         if attn_mask is not None:
-            blk_mask = attn_mask[..., start : start + k_blk.shape[2]]
-            s = s.masked_fill(~blk_mask, float("-inf")) if blk_mask.dtype == torch.bool else s + blk_mask.float()
+            blk_mask = mask_columns(start, start + k_blk.shape[2])
+            s = s.masked_fill_(~blk_mask, float("-inf")) if blk_mask.dtype == torch.bool else s.add_(blk_mask)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # A row that has seen only -inf so far keeps m = -inf; exp(-inf - -inf) would be NaN.
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        p = torch.exp(s - m_safe)
+        p = s.sub_(m_safe).exp_()
         correction = torch.exp(m - m_safe)
         denom = denom * correction + p.sum(-1, keepdim=True)
         acc_stored.mul_(correction)
@@ -602,7 +609,7 @@ def attention(
             return False
         if attn_mask is None or attn_mask.device.type != "cpu":
             return True
-        blk_mask = attn_mask[..., start:stop]
+        blk_mask = mask_columns(start, stop)
         seen = blk_mask if blk_mask.dtype == torch.bool else blk_mask != float("-inf")
         if is_causal:
             seen = seen & (torch.arange(start, stop)[None, :] <= rows)
