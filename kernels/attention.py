@@ -382,9 +382,9 @@ def _fine_rows(fine) -> int:
 
 def _fine_args(fine, spec: QuantSpec, codes: torch.Tensor, scales: torch.Tensor) -> tuple:
     """Pointers and strides of a second code plane (of ``codes``/``scales``, never read, without one)."""
-    fine_codes, fine_scales = fine if fine is not None else (codes, scales)
     if fine is None:
-        return (fine_codes, 0, 0, 0, 0, fine_scales, 0, 0, 0, 0, 0)
+        return (codes, 0, 0, 0, 0, scales, 0, 0, 0, 0, 0)
+    fine_codes, fine_scales = fine
     return (fine_codes, *fine_codes.stride(), fine_scales, *_scale_strides(fine_scales, spec))
 
 

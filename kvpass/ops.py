@@ -117,7 +117,7 @@ def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
 def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
     kernels = _triton_kernels()
     spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
-    return reference.encode_refined(x.contiguous(), spec, *([kernels.quantize] if kernels is not None else []))
+    return reference.encode_refined(x.contiguous(), spec, reference.quantize if kernels is None else kernels.quantize)
 
 
 # --- write (static caches) -------------------------------------------------------------
