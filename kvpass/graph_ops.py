@@ -74,14 +74,14 @@ def kv4_sdpa(
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    v_codes, v_scales, v_residual, v_fine = v.codes, v.scales, v.residual, v._fine_planes()
+    v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
     if v_heads is not None:
         index = torch.tensor(v_heads, device=q.device)
-        v_codes, v_scales, v_residual, v_new, *v_fine = (
-            t.index_select(1, index) for t in (v_codes, v_scales, v_residual, v_new, *v_fine)
-        )
+        v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
+    v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
     return ops.attention(
         q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
-        *(k._fine_planes() or (None, None)), *(v_fine or (None, None)),  # a refined spec's second planes
+        k.fine_codes, k.fine_scales, v_fine_codes, v_fine_scales,  # a refined spec's second planes
+        k.head, k.offset, v_head, v_offset,  # fp sinks and a centered spec's offset
     )  # fmt: skip

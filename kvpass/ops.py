@@ -55,10 +55,12 @@ def _triton_kernels():
 
 @torch.library.custom_op("kv4::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`)."""
-    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip))
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool,
+    offset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`);
+    a centered spec passes its stored-domain ``offset [B, H, 1, D]``."""
+    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip), offset)
 
 
 def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool):
@@ -76,17 +78,18 @@ def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bo
 
 
 @quantize.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, clip):
+def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
     return _stored_like(x, bits, scheme, group, rotate, symmetric)
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, clip):
+def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
     kernels = _triton_kernels()
     spec = QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip)
     if kernels is None:
-        return reference.encode(x.contiguous(), spec)
-    return kernels.quantize(reference.rotate(x) if rotate else x, spec)
+        return reference.encode(x.contiguous(), spec, offset)
+    stored = reference.rotate(x) if rotate else x
+    return kernels.quantize(stored if offset is None else stored.float() - offset.float(), spec)
 
 
 # --- quantize with a second code plane ----------------------------------------------------
@@ -94,12 +97,14 @@ def _(x, bits, scheme, group, rotate, symmetric, clip):
 
 @torch.library.custom_op("kv4::quantize_refined", mutates_args=())
 def quantize_refined(
-    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool, refine: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool, refine: int,
+    offset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`quantize` of new tokens ``x [B, H, T, D]`` and the second code plane
     (``QuantSpec.refine``) of the newest ``min(T, refine)``: ``(codes, scales, fine_codes, fine_scales)``.
     One op, not four: a decode step appends one token, and each op call costs more than its work."""
-    return reference.encode_refined(x.contiguous(), _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine))
+    spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
+    return reference.encode_refined(x.contiguous(), spec, offset=offset)
 
 
 def _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine) -> QuantSpec:
@@ -107,17 +112,18 @@ def _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine) -> Quant
 
 
 @quantize_refined.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
+def _(x, bits, scheme, group, rotate, symmetric, clip, refine, offset=None):
     T = x.shape[2]
     newest = x[:, :, T - torch.sym_min(T, refine) :]
     return *_stored_like(x, bits, scheme, group, rotate, symmetric), *_stored_like(newest, bits, scheme, group, rotate, symmetric)
 
 
 @quantize_refined.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, clip, refine):
+def _(x, bits, scheme, group, rotate, symmetric, clip, refine, offset=None):
     kernels = _triton_kernels()
     spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
-    return reference.encode_refined(x.contiguous(), spec, reference.quantize if kernels is None else kernels.quantize)
+    quantizer = reference.quantize if kernels is None else kernels.quantize
+    return reference.encode_refined(x.contiguous(), spec, quantizer, offset)
 
 
 # --- write (static caches) -------------------------------------------------------------
@@ -170,16 +176,20 @@ def dequantize(
     symmetric: bool,
     fine_codes: torch.Tensor | None = None,
     fine_scales: torch.Tensor | None = None,
+    head: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole logical ``[B, H, S, D]`` tensor; used only off the hot path."""
     spec = QuantSpec(bits, scheme, group, rotate, symmetric)
-    return reference.decode(codes, scales, residual, spec, residual.dtype, fine_codes, fine_scales)
+    return reference.decode(codes, scales, residual, spec, residual.dtype, fine_codes, fine_scales, head, offset)
 
 
 @dequantize.register_fake
-def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, fine_codes=None, fine_scales=None):
+def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, fine_codes=None, fine_scales=None, head=None,
+      offset=None):  # fmt: skip
     B, H, S, _ = codes.shape
-    return residual.new_empty((B, H, S + residual.shape[2], residual.shape[3]))
+    n_head = 0 if head is None else head.shape[2]
+    return residual.new_empty((B, H, n_head + S + residual.shape[2], residual.shape[3]))
 
 
 # --- attention -------------------------------------------------------------------------
@@ -214,14 +224,19 @@ def attention(
     k_fine_scales: torch.Tensor | None = None,
     v_fine_codes: torch.Tensor | None = None,
     v_fine_scales: torch.Tensor | None = None,
+    k_head: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
+    v_head: torch.Tensor | None = None,
+    v_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`.
-    ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any."""
+    ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any;
+    ``*_head``: fp sinks (``QuantSpec.sinks``); ``*_offset``: a centered spec's offset."""
     return reference.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         QuantSpec(k_bits, k_scheme, k_group, k_rotate, k_symmetric),
         QuantSpec(v_bits, v_scheme, v_group, v_rotate, v_symmetric), softcap,
-        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales,
+        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
     )  # fmt: skip
 
 
@@ -233,10 +248,10 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @attention.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     n = SPEC_ARGS
-    k_spec, v_spec, softcap, fine = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
+    k_spec, v_spec, softcap, extra = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
     kernels = _triton_kernels()
     run = kernels.attention if kernels is not None else reference.attention
     return run(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        k_spec, v_spec, softcap, *fine,
+        k_spec, v_spec, softcap, *extra,
     )  # fmt: skip

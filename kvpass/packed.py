@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from kvpass import ops
+from kvpass import ops, reference
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 
 log = logging.getLogger("kvpass")
@@ -48,7 +48,13 @@ class PackedKV(torch.Tensor):
       ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``);
     * ``fine_codes``, ``fine_scales`` (``spec.refine`` only, else None): ``[B, H, F, ...]`` laid
       out like ``codes`` and ``scales``, the quantized error of the newest ``F`` quantized tokens
-      (``F = spec.refined_tokens(S_q)`` after an append; fewer after a crop), added on reading.
+      (``F = spec.refined_tokens(S_q)`` after an append; fewer after a crop), added on reading;
+    * ``head`` (``spec.sinks`` only, else None): ``[B, H, S_h, D]`` in the logical dtype, the
+      first ``S_h <= spec.sinks`` tokens, unquantized (attention sinks); the logical tensor is
+      ``[head | codes | residual]``, ``S = S_h + S_q + R``;
+    * ``offset`` (``spec.center`` only, else None): ``fp16 [B, H, 1, D]``, subtracted from every
+      token before quantizing and added back on reading (``[B, H, 0, D]`` until the first append
+      fixes it, :func:`kvpass.reference.center_offset`).
 
     All of them live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them, which
@@ -72,25 +78,34 @@ class PackedKV(torch.Tensor):
     spec: QuantSpec
     fine_codes: torch.Tensor | None
     fine_scales: torch.Tensor | None
+    head: torch.Tensor | None
+    offset: torch.Tensor | None
     _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
-    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None):
+    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
-            shape = (B, H, S_q + residual.shape[2], residual.shape[3])
+            n_head = 0 if head is None else head.shape[2]
+            shape = (B, H, n_head + S_q + residual.shape[2], residual.shape[3])
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=residual.dtype, device=codes.device, requires_grad=False
         )
 
-    def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None):
+    def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None):
         if (fine is not None) != bool(spec.refine):
             raise ValueError(f"a spec with refine={spec.refine} needs {'a' if spec.refine else 'no'} second code plane")
+        if (head is not None) != bool(spec.sinks):
+            raise ValueError(f"a spec with sinks={spec.sinks} needs {'a' if spec.sinks else 'no'} head of fp tokens")
+        if (offset is not None) != spec.center:
+            raise ValueError(f"a spec with center={spec.center} needs {'an' if spec.center else 'no'} offset")
         self.codes = codes
         self.scales = scales
         self.residual = residual
         self.spec = spec
         self.fine_codes, self.fine_scales = fine if fine is not None else (None, None)
+        self.head = head
+        self.offset = offset
         self._rows = rows
 
     @classmethod
@@ -110,10 +125,11 @@ class PackedKV(torch.Tensor):
                 f"a preallocated (static) cache needs per-token groups, got scheme={spec.scheme!r}; "
                 "per-channel groups need their tokens in order"
             )
-        if spec.window or spec.refine:
+        if spec != spec.for_slots:
             raise ValueError(
                 "a preallocated (static) cache quantizes every slot it writes once; "
-                f"got window={spec.window}, refine={spec.refine}, use 0 for both"
+                f"got window={spec.window}, refine={spec.refine}, sinks={spec.sinks}, center={spec.center}: "
+                "use QuantSpec.for_slots"
             )
         B, H, S, D = shape
         empty = _empty_like(torch.empty((B, H, 0, D), dtype=dtype, device=device), spec)
@@ -126,46 +142,62 @@ class PackedKV(torch.Tensor):
 
     def append(self, new: torch.Tensor) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
+        head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
-            return self._refined_append(new)
+            return self._refined_append(new, head, offset)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
-            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec))
-            return self._extended(codes, scales, self.residual)
+            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset)
+            return self._extended(codes, scales, self.residual, head=head, offset=offset)
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
         n_leaving = _leaving(pending.shape[2], self.spec)
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
-        return self._extended(codes, scales, pending[:, :, n_leaving:])
+        return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
-    def _refined_append(self, new: torch.Tensor) -> PackedKV:
+    def _sinks_and_offset(self, new: torch.Tensor):
+        """``(head, offset, rest)``: the fp sinks after this append (the first tokens of an empty
+        cache fill them), a centered spec's offset (fixed by the first append) and the new tokens
+        left to quantize."""
+        head, offset = self.head, self.offset
+        if offset is not None and offset.shape[2] == 0:
+            offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
+        room = self.spec.sinks - head.shape[2] if head is not None and self.codes.shape[2] == 0 else 0
+        if room:
+            first = new[:, :, : torch.sym_min(room, new.shape[2])]
+            head = torch.cat([head, (ops.rotate(first) if self.spec.rotate else first).to(self.dtype)], dim=2)
+            new = new[:, :, first.shape[2] :]
+        return head, offset, new
+
+    def _refined_append(self, new: torch.Tensor, head, offset) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
         # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
-        codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine)
+        codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine, offset)
         n_fine = self.spec.refined_tokens(self.codes.shape[2] + new.shape[2])
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
         drop = torch.sym_max(planes[0].shape[0] - n_fine, 0)
         fine = tuple(plane[drop:].movedim(0, 2) for plane in planes)
-        return self._extended(codes, scales, self.residual, fine)
+        return self._extended(codes, scales, self.residual, fine, head, offset)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
         ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.codec_args(self.spec))
         return self
 
-    def _extended(self, codes: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor, fine=None) -> PackedKV:
+    def _extended(self, codes, scales, residual, fine=None, head=None, offset=None) -> PackedKV:
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
-        (and ``fine`` as the new second code plane)."""
+        (and ``fine``, ``head`` and ``offset`` as the new second code plane, sinks and offset)."""
+        parts = dict(fine=fine, head=head, offset=offset)
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
-            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, fine=fine)
+            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
         rows = self._rows
         if rows is not None and rows.ends_at(self.codes, self.scales):
             new_codes, new_scales = _grow(self.codes, codes), _grow(self.scales, scales)
@@ -173,11 +205,23 @@ class PackedKV(torch.Tensor):
         else:
             new_codes, new_scales = _copy_with_headroom(self.codes, codes), _copy_with_headroom(self.scales, scales)
             rows = _WrittenRows(_row_span(new_codes)[1], _row_span(new_scales)[1])
-        return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows, fine=fine)
+        return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows, **parts)
 
     def dequantize(self) -> torch.Tensor:
         """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
-        return ops.dequantize(self.codes, self.scales, self.residual, *ops.spec_args(self.spec), *self._fine_planes())
+        return ops.dequantize(
+            self.codes, self.scales, self.residual, *ops.spec_args(self.spec),
+            self.fine_codes, self.fine_scales, self.head, self.offset,
+        )  # fmt: skip
+
+    @property
+    def n_head(self) -> int:
+        """Tokens in the fp sinks (0 without ``spec.sinks``)."""
+        return 0 if self.head is None else self.head.shape[2]
+
+    def _parts(self) -> dict:
+        """The optional inner tensors, as the constructor takes them."""
+        return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset)
 
     def _fine_planes(self) -> tuple[torch.Tensor, ...]:
         """``(fine_codes, fine_scales)``, or ``()`` without a refined spec."""
@@ -200,8 +244,7 @@ class PackedKV(torch.Tensor):
             # A crop outside graphs (DynamicCache.crop) must not stay an autograd view of the
             # longer cache: Dynamo would rebuild it from that base by replaying the slice, whose
             # length is a constant, and compile a graph per length (assisted decoding).
-            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows,
-                            fine=result._fine_planes() or None)  # fmt: skip
+            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows, **result._parts())
         return result
 
     def __repr__(self):
@@ -210,23 +253,26 @@ class PackedKV(torch.Tensor):
             f"groups of {self.spec.group}{', rotated' if self.spec.rotate else ''}"
             f"{'' if self.spec.symmetric else ', asymmetric'}{', clipped scales' if self.spec.clip else ''}"
             f", residual={self.residual.shape[2]}"
-            f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'})"
+            f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'}"
+            f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'})"
         )
 
     # --- tracing ------------------------------------------------------------------------
 
     def __tensor_flatten__(self):
-        return ["codes", "scales", "residual"] + (["fine_codes", "fine_scales"] if self.spec.refine else []), self.spec
+        spec = self.spec
+        optional = (["fine_codes", "fine_scales"] if spec.refine else []) + (["head"] if spec.sinks else [])
+        return ["codes", "scales", "residual", *optional] + (["offset"] if spec.center else []), spec
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
         fine = (inner["fine_codes"], inner["fine_scales"]) if spec.refine else None
-        return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine)
+        return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine,
+                        head=inner.get("head"), offset=inner.get("offset"))  # fmt: skip
 
     def __reduce_ex__(self, protocol):
         # contiguous(): a growable cache's views would otherwise save their spare rows too.
-        return _rebuild, (self.codes.contiguous(), self.scales.contiguous(), self.residual, self.spec,
-                          self._fine_planes() or None)  # fmt: skip
+        return _rebuild, (self.codes.contiguous(), self.scales.contiguous(), self.residual, self.spec, self._parts())
 
     # Torch functions reach __torch_dispatch__ as aten ops, where the table below applies.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -242,8 +288,8 @@ class PackedKV(torch.Tensor):
         return _fallback(func, args, kwargs)
 
 
-def _rebuild(codes, scales, residual, spec, fine=None):
-    return PackedKV(codes, scales, residual, spec, fine=fine)
+def _rebuild(codes, scales, residual, spec, parts):
+    return PackedKV(codes, scales, residual, spec, **parts)
 
 
 torch.serialization.add_safe_globals([PackedKV, QuantSpec, _rebuild])
@@ -338,12 +384,15 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     B, H, _, D = x.shape
     codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
     fine = (codes.new_empty(codes.shape), scales.new_empty(scales.shape)) if spec.refine else None  # no aliases
-    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine)
+    head = x.new_empty((B, H, 0, D)) if spec.sinks else None
+    offset = x.new_empty((B, H, 0, D), dtype=reference.SCALE_DTYPE) if spec.center else None  # set by the first append
+    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset)
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:
     fine = tuple(fn(x) for x in t._fine_planes()) or None
-    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine)
+    head, offset = (None if x is None else fn(x) for x in (t.head, t.offset))
+    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset)
 
 
 def _fine_between(t: PackedKV, start, stop):
@@ -374,12 +423,12 @@ def _cat_impl(func, args, kwargs):
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not _seq_dim(dim) or not isinstance(tensors[0], PackedKV):
         return NotImplemented
-    head, *rest = tensors
+    past, *rest = tensors
     if any(isinstance(t, PackedKV) for t in rest):
         return NotImplemented
     # HF's first update concatenates onto an empty 1-D tensor; skip those.
     rest = [t for t in rest if t.dim() == 4]
-    return head.append(torch.cat(rest, dim=2)) if rest else head
+    return past.append(torch.cat(rest, dim=2)) if rest else past
 
 
 @_implements(aten.index_copy_.default)
@@ -392,7 +441,7 @@ def _index_copy_impl(func, args, kwargs):
 
 def _is_slot_buffer(t: PackedKV) -> bool:
     """Every token in a slot of its own (per-token groups, nothing unquantized): a static buffer."""
-    return t.spec.scheme == "token" and t.residual.shape[2] == 0 and not t.spec.refine
+    return t.spec == t.spec.for_slots and t.spec.scheme == "token" and t.residual.shape[2] == 0
 
 
 @_implements(aten.roll.default)
@@ -468,14 +517,21 @@ def _slice_impl(func, args, kwargs):
     if start == 0:
         return _crop(t, end)
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
-        n_quant = t.codes.shape[2]
-        codes_end = min(end, n_quant)
-        return PackedKV(
-            t.codes[:, :, start:codes_end], t.scales[:, :, start:codes_end],
-            t.residual[:, :, max(start - n_quant, 0) : max(end - n_quant, 0)], t.spec, rows=t._rows,
-            fine=_fine_between(t, start, codes_end),
-        )  # fmt: skip
+        return _token_range(t, start, end)
     return NotImplemented
+
+
+def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
+    """Tokens ``[start, end)`` of a per-token cache, ``[head | codes | residual]`` each sliced
+    where the range meets it; the offset stays. A sliding window's eviction drops the sinks first."""
+    n_head, n_quant = t.n_head, t.codes.shape[2]
+    lo, hi = min(max(start - n_head, 0), n_quant), min(max(end - n_head, 0), n_quant)
+    behind = n_head + n_quant
+    return PackedKV(
+        t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
+        t.spec, rows=t._rows, fine=_fine_between(t, lo, hi),
+        head=None if t.head is None else t.head[:, :, start:end], offset=t.offset,
+    )  # fmt: skip
 
 
 def _crop(t: PackedKV, length: int) -> PackedKV:
@@ -484,13 +540,12 @@ def _crop(t: PackedKV, length: int) -> PackedKV:
     Views of the same storages keep the growth bookkeeping: one that still ends at the last
     written row (a crop inside the residual) goes on appending in place.
     """
-    n_quant = t.codes.shape[2]
-    if length >= n_quant:
-        return PackedKV(t.codes, t.scales, t.residual[:, :, : length - n_quant], t.spec, rows=t._rows,
-                        fine=t._fine_planes() or None)  # fmt: skip
+    before_residual = t.n_head + t.codes.shape[2]
+    if length >= before_residual:
+        residual = t.residual[:, :, : length - before_residual]
+        return PackedKV(t.codes, t.scales, residual, t.spec, rows=t._rows, **t._parts())
     if t.spec.scheme == "token":
-        return PackedKV(t.codes[:, :, :length], t.scales[:, :, :length], t.residual[:, :, :0], t.spec, rows=t._rows,
-                        fine=_fine_between(t, 0, length))  # fmt: skip
+        return _token_range(t, 0, length)
     # A per-channel group cut in two: its surviving tokens go back to the residual, with
     # the values they had (dequantized), so no token changes value.
     g = t.spec.group
@@ -513,7 +568,10 @@ def _to_copy_impl(func, args, kwargs):
     device = kwargs.get("device", t.device)
     dtype = kwargs.get("dtype", t.dtype)
     moved = _map_inner(t, lambda x: x.to(device=device, non_blocking=kwargs.get("non_blocking", False)))
-    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, fine=moved._fine_planes() or None)
+    # The logical dtype is the residual's and the sinks'; codes, scales and the offset keep theirs.
+    head = None if moved.head is None else moved.head.to(dtype)
+    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec,
+                    fine=moved._fine_planes() or None, head=head, offset=moved.offset)  # fmt: skip
 
 
 @_implements(aten.detach.default, aten.clone.default, aten.alias.default)
@@ -551,6 +609,7 @@ def _fallback(func, args, kwargs):
             updated = PackedKV.from_float(plain_args[i], target.spec)
             target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
             target.fine_codes, target.fine_scales, target._rows = updated.fine_codes, updated.fine_scales, updated._rows
+            target.head, target.offset = updated.head, updated.offset
             if result is plain_args[i]:
                 result = target
     return result

@@ -49,12 +49,13 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 
-from kvpass.config import QuantSpec
+from kvpass.config import CENTER_SKIP, CENTER_TOKENS, QuantSpec
 
 SCALE_DTYPE = torch.float16
 
@@ -413,16 +414,38 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
     return q.view(B, H, S, D)
 
 
-def encode(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored form of ``x``: rotated first when ``spec.rotate``, then quantized."""
-    return quantize(rotate(x) if spec.rotate else x, spec)
+def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.Tensor:
+    """The offset of a ``spec.center`` cache whose first append is ``first [B, H, T, D]``,
+    ``fp16 [B, H, 1, D]`` in the stored domain: the mean of tokens ``CENTER_SKIP ..
+    CENTER_SKIP + CENTER_TOKENS`` (fp32, then rotated), zero when there are none.
+    ``rotator`` is :func:`rotate` or an op computing the same (graphs must not trace its constant)."""
+    typical = first[:, :, CENTER_SKIP : CENTER_SKIP + CENTER_TOKENS].float()
+    # A sum over at least one count, not a branch on the length: no guard in traced graphs.
+    mean = typical.sum(2, keepdim=True) / torch.sym_max(typical.shape[2], 1)
+    return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
 
 
-def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None) -> torch.Tensor:
-    """Logical tensor of a stored cache: dequantized codes (refined, for the newest
-    ``fine_codes.shape[2]`` of them), then the residual, unrotated."""
+def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """Stored-domain tokens minus a centered spec's ``offset``, in fp32 (unchanged without one)."""
+    return stored if offset is None else stored.float() - offset.float()
+
+
+def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored form of ``x``: rotated first when ``spec.rotate``, minus a centered spec's
+    ``offset`` (stored domain), then quantized."""
+    return quantize(_centered(rotate(x) if spec.rotate else x, offset), spec)
+
+
+def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None, head=None,
+           offset=None) -> torch.Tensor:  # fmt: skip
+    """Logical tensor of a stored cache: the ``head`` (fp sinks) if any, the dequantized codes
+    (refined, for the newest ``fine_codes.shape[2]`` of them; plus ``offset`` if centered), then
+    the residual, unrotated."""
     quantized = _refined(dequantize(codes, scales, spec, torch.float32), fine_codes, fine_scales, spec, 0)
-    x = torch.cat([quantized, residual.float()], dim=-2)
+    if offset is not None:
+        quantized = quantized + offset.float()
+    parts = [quantized, residual.float()] if head is None else [head.float(), quantized, residual.float()]
+    x = torch.cat(parts, dim=-2)
     return (rotate(x) if spec.rotate else x).to(dtype)
 
 
@@ -443,15 +466,22 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
     return torch.cat([deq[:, :, : lo - start], deq[:, :, lo - start :] + correction], dim=2)
 
 
-def quantize_dequantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
     """What a cache built from ``x`` (in one go or by appends) gives back; whole groups only for
-    channel; with ``spec.refine`` the newest ``spec.refined_tokens(S)`` tokens refined."""
+    channel; with ``spec.refine`` the newest ``spec.refined_tokens(S)`` tokens refined; the first
+    ``spec.sinks`` exact; with ``spec.center``, quantized minus ``offset`` (default: the
+    :func:`center_offset` of ``x``, as when ``x`` is the cache's first append)."""
     B, H, S, D = x.shape
+    if spec.center and offset is None:
+        offset = center_offset(x, spec)
     stored = rotate(x) if spec.rotate else x
+    n_head = min(spec.sinks, S)
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
-    codes, scales = quantize(stored[:, :, :n_quant], spec)
-    fine = second_plane(stored[:, :, :n_quant], codes, scales, spec) if spec.refine else ()
-    return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine)
+    quantized = _centered(stored[:, :, n_head:n_quant], offset)
+    codes, scales = quantize(quantized, spec)
+    fine = second_plane(quantized, codes, scales, spec) if spec.refine else ()
+    head = stored[:, :, :n_head] if spec.sinks else None
+    return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine, head=head, offset=offset)
 
 
 def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec):
@@ -468,13 +498,13 @@ def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quanti
     return quantizer(error, spec)
 
 
-def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize):
+def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset: torch.Tensor | None = None):
     """:func:`encode` of new tokens ``x [B, H, T, D]``, and the second code plane of the newest
     ``min(T, spec.refine)`` of them: ``(codes, scales, fine_codes, fine_scales)``.
 
     ``quantizer`` is :func:`quantize` or a kernel computing exactly the same.
     """
-    stored = rotate(x) if spec.rotate else x
+    stored = _centered(rotate(x) if spec.rotate else x, offset)
     codes, scales = quantizer(stored, spec)
     T = x.shape[2]
     return codes, scales, *_error_plane(stored, codes, scales, spec, T - min(T, spec.refine), quantizer)
@@ -518,6 +548,10 @@ def attention(
     k_fine_scales: torch.Tensor | None = None,
     v_fine_codes: torch.Tensor | None = None,
     v_fine_scales: torch.Tensor | None = None,
+    k_head: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
+    v_head: torch.Tensor | None = None,
+    v_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of ``q`` over ``[stored past, new]`` without materialising the fp past.
 
@@ -529,7 +563,9 @@ def attention(
     zero, as in torch's SDPA. ``softcap > 0`` caps scaled scores to
     ``softcap * tanh(s / softcap)`` before the mask (Gemma-2's logit soft-capping). ``*_fine_*``:
     the second code plane of a refined spec (``QuantSpec.refine``), added to the newest quantized
-    tokens it covers. The past is dequantized one block of
+    tokens it covers. ``*_head``: fp sinks (``QuantSpec.sinks``, stored domain), the first tokens of
+    the past, before the codes; ``*_offset``: a centered spec's ``[B, H, 1, D]`` offset, added to
+    every dequantized code. The past is dequantized one block of
     tokens at a time with an online softmax, so memory is O(block), not O(P). A block that the mask (with
     ``is_causal``) excludes for every row is never read, so a static cache's unwritten tail costs nothing and a
     poisoned (NaN) group there stays unseen.
@@ -543,17 +579,17 @@ def attention(
             return t if t is None or (t is attn_mask and (t.dim() < 4 or t.shape[0] == 1)) else t[i : i + per_pass]
 
         stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask)
-        fine = (k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales)
+        extra = (k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset)
         return torch.cat([
             attention(q[i : i + per_pass], *(sequences(t, i) for t in stored), scale, is_causal, k_spec, v_spec,
-                      softcap, *(sequences(t, i) for t in fine))
+                      softcap, *(sequences(t, i) for t in extra))
             for i in range(0, B, per_pass)
         ])  # fmt: skip
     Hkv, Dv = v_new.shape[1], v_new.shape[-1]
     rep = Hq // Hkv
-    n_quant_k = k_codes.shape[2]
-    n_quant_v = v_codes.shape[2]
-    past = n_quant_k + k_residual.shape[2]
+    k_stored = _Stored(k_codes, k_scales, k_residual, k_spec, k_fine_codes, k_fine_scales, k_head, k_offset)
+    v_stored = _Stored(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head, v_offset)
+    past = k_stored.tokens
     total = past + k_new.shape[2]
 
     # Scores are invariant under rotating q and k by the same orthogonal matrix, and the
@@ -620,9 +656,7 @@ def attention(
         stop = min(start + block, past)
         if not attended(start, stop):
             continue  # a block the mask excludes for every row is not read (a static cache's tail)
-        k_blk = _stored_block(k_codes, k_scales, k_residual, k_spec, n_quant_k, start, stop, k_fine_codes, k_fine_scales)
-        v_blk = _stored_block(v_codes, v_scales, v_residual, v_spec, n_quant_v, start, stop, v_fine_codes, v_fine_scales)
-        visit(k_blk, v_blk, q_stored, start, acc_stored)
+        visit(k_stored.block(start, stop), v_stored.block(start, stop), q_stored, start, acc_stored)
     if k_new.shape[2]:
         visit(k_new, v_new, qf, past, acc_plain)
 
@@ -634,19 +668,44 @@ def attention(
     return out.reshape(B, Hq, T, Dv).to(q.dtype)
 
 
-def _stored_block(codes, scales, residual, spec, n_quant, start, stop, fine_codes=None, fine_scales=None):
-    """Tokens ``[start, stop)`` of a stored cache, dequantized (still in the stored domain), field-major."""
-    parts = []
-    if start < n_quant:
-        q_stop = min(stop, n_quant)
-        if spec.scheme == "channel":
-            g = spec.group
-            blk_scales = scales[:, :, start // g : q_stop // g]
-        else:
-            blk_scales = scales[:, :, start:q_stop]
-        deq = dequantize_field_major(codes[:, :, start:q_stop], blk_scales, spec)
-        parts.append(_refined(deq, fine_codes, fine_scales, spec, start, n_quant, dequantize_field_major))
-    if stop > n_quant:
-        order = field_order(residual.shape[-1], spec, residual.device)
-        parts.append(residual[:, :, max(start - n_quant, 0) : stop - n_quant, order].float())
-    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+@dataclasses.dataclass
+class _Stored:
+    """One stored cache as attention reads it: ``[head | codes (+ fine plane, + offset) | residual]``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    residual: torch.Tensor
+    spec: QuantSpec
+    fine_codes: torch.Tensor | None
+    fine_scales: torch.Tensor | None
+    head: torch.Tensor | None
+    offset: torch.Tensor | None
+
+    @property
+    def n_head(self) -> int:
+        return 0 if self.head is None else self.head.shape[2]
+
+    @property
+    def tokens(self) -> int:
+        return self.n_head + self.codes.shape[2] + self.residual.shape[2]
+
+    def block(self, start: int, stop: int) -> torch.Tensor:
+        """Tokens ``[start, stop)``, dequantized (still in the stored domain), field-major."""
+        spec, n_head, n_quant = self.spec, self.n_head, self.codes.shape[2]
+        order = field_order(self.residual.shape[-1], spec, self.residual.device)
+        parts = []
+        if start < n_head:
+            parts.append(self.head[:, :, start : min(stop, n_head), order].float())
+        lo, hi = max(start - n_head, 0), min(stop - n_head, n_quant)
+        if lo < hi:
+            if spec.scheme == "channel":
+                g = spec.group
+                blk_scales = self.scales[:, :, lo // g : hi // g]
+            else:
+                blk_scales = self.scales[:, :, lo:hi]
+            deq = dequantize_field_major(self.codes[:, :, lo:hi], blk_scales, spec)
+            deq = _refined(deq, self.fine_codes, self.fine_scales, spec, lo, n_quant, dequantize_field_major)
+            parts.append(deq if self.offset is None else deq.add_(self.offset[..., order].float()))
+        if stop > n_head + n_quant:
+            parts.append(self.residual[:, :, max(start - n_head - n_quant, 0) : stop - n_head - n_quant, order].float())
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

@@ -9,8 +9,10 @@ should be. Layer types (full, sliding-window, recurrent) come from the model con
 ``DynamicCache``; only attention layers are simulated.
 
 ``FpTokens`` says which tokens stay unquantized: by default the specs' window, as kv4 keeps
-it; also schemes kv4 does not have yet, such as the first ``sinks`` tokens (see
-:meth:`FpTokens.quantized`).
+it; also schemes kv4 does not have, such as the first ``sinks`` tokens of K and V alike, kept
+fp wherever a sliding window has moved them (see :meth:`FpTokens.quantized`). A spec's own
+``sinks`` and ``center`` are simulated as kv4 stores them: sinks at the start of the sequence
+until a sliding window evicts them, the offset fixed by a layer's first update.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
-from kvpass.reference import quantize_dequantize
+from kvpass.reference import center_offset, quantize_dequantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +54,14 @@ class FpTokens:
 
     def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, head_dim: int) -> float:
         """Bytes of a ``stored``-token cache (fp tokens in fp16, refined tokens' second code
-        plane included) over an all-fp16 cache."""
+        plane, a spec's own sinks and offset included) over an all-fp16 cache."""
         start, stop = self.quantized(stored)
-        n_quant = stop - start
-        quant = sum((n_quant + s.refined_tokens(n_quant)) * spec_bytes_per_token(s, head_dim) for s in (k_spec, v_spec))
-        return ((stored - n_quant) * 4 * head_dim + quant) / (stored * 4 * head_dim)
+        total = 0
+        for spec in (k_spec, v_spec):
+            n_quant = stop - max(start, min(spec.sinks, stop))
+            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if spec.center else 0)
+            total += (n_quant + spec.refined_tokens(n_quant)) * spec_bytes_per_token(spec, head_dim)
+        return total / (stored * 4 * head_dim)
 
 
 def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
@@ -70,19 +75,27 @@ def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
     return head_dim * spec.bits / 8 + params
 
 
-def _simulated_update(base_update, k_spec, v_spec, fp_tokens, key_states, value_states, *args, **kwargs):
-    """The layer's own update (its bookkeeping, eviction included), quantized past on read."""
+def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
+    """The layer's own update (its bookkeeping, eviction included), quantized past on read.
+    ``state`` (a dict per layer) counts the tokens seen and holds centered specs' offsets."""
+    if not state:  # the first update fixes a centered spec's offset, as kv4's first append does
+        state.update(seen=0, offsets=[center_offset(x, s) if s.center else None
+                                      for x, s in ((key_states, k_spec), (value_states, v_spec))])  # fmt: skip
+    state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
     past = full_k.shape[2] - key_states.shape[2]
+    evicted = state["seen"] - full_k.shape[2]  # tokens a sliding window dropped from the front
     # The past as the cache stored it after the previous step; the new tokens are exact.
     start, stop = fp_tokens.quantized(past)
-    if stop == start:
-        return full_k, full_v
 
-    def read(full, spec):
-        return torch.cat([full[:, :, :start], quantize_dequantize(full[:, :, start:stop], spec), full[:, :, stop:]], 2)
+    def read(full, spec, offset):
+        first = max(start, min(spec.sinks - evicted, past))  # the spec's sinks, while the layer holds them
+        if stop <= first:
+            return full
+        quantized = quantize_dequantize(full[:, :, first:stop], dataclasses.replace(spec, sinks=0), offset)
+        return torch.cat([full[:, :, :first], quantized, full[:, :, stop:]], 2)
 
-    return read(full_k, k_spec), read(full_v, v_spec)
+    return read(full_k, k_spec, state["offsets"][0]), read(full_v, v_spec, state["offsets"][1])
 
 
 class SimulatedKVCache(DynamicCache):
@@ -94,4 +107,4 @@ class SimulatedKVCache(DynamicCache):
             fp_tokens = FpTokens(window=k_spec.window, flush=WINDOW_BLOCK) if k_spec.window else FpTokens()
         for layer in self.layers:
             if isinstance(layer, DynamicLayer):
-                layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens)
+                layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens, {})

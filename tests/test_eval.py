@@ -1,5 +1,6 @@
 """The streaming-perplexity and greedy-agreement protocol of ``kvpass eval`` on a tiny model."""
 
+import dataclasses
 import math
 import warnings
 
@@ -44,7 +45,7 @@ def test_chunk_size_does_not_change_fp_perplexity(model):
         assert nll - head == pytest.approx(nll32, rel=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot"])
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc"])
 def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
     ids = _tokens(160, seed=1)[None]
     ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
@@ -110,17 +111,20 @@ def test_prefix_starts_every_stream_and_prompt(model, monkeypatch):
 
 def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
-    assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token",
-                                    v_group=128, v_rotate=True, clip=False, refine=0)  # fmt: skip
-    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0}
+    assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token", v_group=128,
+                                    v_rotate=True, clip=False, refine=0, k_sinks=0, k_center=False)  # fmt: skip
+    assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0, "k_sinks": 0,
+                                                           "k_center": False}  # fmt: skip
     # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
     refined = kv_eval.parse_method("kv4-rot-mse-r64")
     assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 64) == 34 / 128 * (1 + 64 / 4096)
     assert refined.fp16_ratio(256, 64) == 34 / 128 * (1 + 1 / 8)
-    # named variants keep the amax scales (and no plane) they were measured with; -mse clips and
-    # -r64 refines, as the default does
-    assert all(s.clip and not s.refine for s in kv_eval.parse_method("kv4-rot-mse").specs)
+    # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
+    # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks and -kc centers K
+    assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
     assert kv_eval.parse_method("kv4-rot-mse-r64").specs == (KVConfig().k, KVConfig().v)
+    k, v = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc").specs
+    assert (k.sinks, k.center, k.refine, v.sinks, v.center, v.refine) == (4, True, 56, 0, False, 56)
     assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
     assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
     k, v = kv_eval.parse_method("kv4-kivi").specs
@@ -180,6 +184,36 @@ def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(mode
             assert stop == start or not torch.equal(read, full)
 
 
+def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
+    """``-ks2-kc``: K's first tokens exact until a window evicts them, the rest quantized minus
+    the offset of the first update; V as before. The simulation reads what kv4 stores."""
+    from kvpass.packed import PackedKV
+    from kvpass.reference import center_offset, quantize_dequantize
+    from kvpass.simulate import SimulatedKVCache
+
+    method = kv_eval.parse_method("sim-kv4-rot-mse-ks2-kc")
+    k_spec, v_spec = method.specs
+    assert (k_spec.sinks, k_spec.center, v_spec.sinks, v_spec.center) == (2, True, 0, False)
+    cache = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(1)
+    shared = 8 * torch.randn(1, 2, 1, 64, generator=g)  # keys sharing a mean direction, as Gemma 3's
+    first = shared + torch.randn(1, 2, 40, 64, generator=g)
+    layer.update(first, torch.randn(1, 2, 40, 64, generator=g))
+    new = shared + torch.randn(1, 2, 3, 64, generator=g)
+    read_k, _ = layer.update(new, torch.randn(1, 2, 3, 64, generator=g))
+    offset = center_offset(first, k_spec)
+    plain_spec = dataclasses.replace(k_spec, sinks=0)
+    assert torch.equal(read_k[:, :, :2], first[:, :, :2])  # the sinks, exact
+    assert torch.equal(read_k[:, :, 2:40], quantize_dequantize(first[:, :, 2:], plain_spec, offset))
+    assert torch.equal(read_k[:, :, 40:], new)
+    packed = PackedKV.from_float(first, k_spec)  # what kv4 holds after the same first update
+    torch.testing.assert_close(read_k[:, :, :40], packed.dequantize(), rtol=0, atol=1e-5)
+    # The offset's point: less to quantize than K itself.
+    uncentered = quantize_dequantize(first[:, :, 2:], dataclasses.replace(plain_spec, center=False))
+    assert (read_k[:, :, 2:40] - first[:, :, 2:]).norm() < 0.5 * (uncentered - first[:, :, 2:]).norm()
+
+
 def test_window_longer_than_the_text_is_the_fp_baseline(model):
     ids = _tokens(128, seed=4)[None]
     ppl_fp = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("fp")), ids, 32)
@@ -210,3 +244,9 @@ def test_fp_token_method_names_and_bytes():
     assert real.fp16_ratio(4096, 64) == kv_eval.parse_method("sim-kv4-rot-g32-w64").fp16_ratio(4096, 64)
     with pytest.raises(ValueError, match="only in simulation"):
         kv_eval.parse_method("kv4-rot-w64-s4")  # the real backend has no fp sinks
+    # K sinks and offset: 4 fp16 tokens instead of 4 quantized ones, one fp16 row, in K only.
+    real = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc")
+    assert real.kind == "kv4" and (real.specs[0].sinks, real.specs[0].center, real.specs[1].sinks) == (4, True, 0)
+    plain = kv_eval.parse_method("kv4-rot-mse-r56").fp16_ratio(4096, 64)
+    extra = (4 * (128 - 34) + 128) / (4096 * 4 * 64)
+    assert real.fp16_ratio(4096, 64) == pytest.approx(plain + extra)

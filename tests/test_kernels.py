@@ -282,6 +282,42 @@ def test_attention_over_a_refined_plane(past, q_len, dtype, spec):
         assert (refined - unrefined).abs().max() > 100 * TOLERANCE[dtype]["atol"]
 
 
+SINKS_CENTERED = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True)
+
+
+@pytest.mark.parametrize(
+    "past, q_len, causal, dtype",
+    [(3, 1, False, torch.float32), (40, 1, False, torch.float16), (300, 4, True, torch.float32),
+     (1100, 1, False, torch.bfloat16)],
+)  # fmt: skip
+def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype):
+    """K with fp sinks and quantized minus an offset (``sinks``, ``center``), V refined only:
+    positions shift by the sinks in K and not in V, and both extras are read."""
+    from kvpass.packed import PackedKV
+
+    gen = torch.Generator().manual_seed(past)
+    shared = 6 * torch.randn(2, 2, 1, 64, generator=gen)  # a mean direction all keys share
+    k = PackedKV.from_float((shared + torch.randn(2, 2, past, 64, generator=gen)).to(dtype), SINKS_CENTERED)
+    v = PackedKV.from_float(torch.randn(2, 2, past, 64, generator=gen).to(dtype), REFINED)
+    for step in (30, 1):
+        k = k.append((shared + torch.randn(2, 2, step, 64, generator=gen)).to(dtype))
+        v = v.append(torch.randn(2, 2, step, 64, generator=gen).to(dtype))
+    assert k.n_head == 4 and k.codes.shape[2] == past + 31 - 4 and v.codes.shape[2] == past + 31
+    # The offset comes from the first append's tokens after the first 4: none in a 3-token one.
+    assert k.offset.shape == (2, 2, 1, 64) and bool(k.offset.abs().max() > 1) == (past > 4)
+    q = torch.randn(2, 8, q_len, 64, generator=gen).to(dtype)
+    new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
+    args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
+    extra = (k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, None, None)
+    out = _check(args, None, causal, (SINKS_CENTERED, REFINED), dtype, fine=extra)
+    if dtype == torch.float32 and not causal:  # the sinks and the offset are read (top-left causal: sinks only)
+        for dropped in (4, 5) if past > 4 else (4,):
+            other = list(extra)
+            other[dropped] = torch.zeros_like(other[dropped])
+            moved = reference.attention(*args, None, 0.125, causal, SINKS_CENTERED, REFINED, 0.0, *other)
+            assert (out - moved).abs().max() > 100 * TOLERANCE[dtype]["atol"]
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_with_padding_mask(mask_kind, dtype):

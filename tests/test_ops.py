@@ -67,6 +67,27 @@ def test_opcheck_with_second_code_planes():
     torch.library.opcheck(ops.attention, (*args, 0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales))
 
 
+def test_opcheck_with_sinks_and_an_offset():
+    """fp sinks and a centered spec's offset ride as optional trailing tensors too; quantizing
+    with an offset is quantizing the stored tokens minus it."""
+    from kvpass.packed import PackedKV
+
+    spec = QuantSpec(4, "token", 64, True, clip=True, refine=56, sinks=4, center=True)
+    x = 3 + torch.randn(2, 2, 300, 64)
+    k, v = PackedKV.from_float(x, spec), PackedKV.from_float(torch.randn(2, 2, 300, 64), spec)
+    torch.library.opcheck(ops.quantize, (x, *ops.codec_args(spec), k.offset))
+    torch.library.opcheck(ops.quantize_refined, (x, *ops.codec_args(spec), spec.refine, k.offset))
+    shifted = (reference.rotate(x).float() - k.offset.float()).contiguous()
+    expected = reference.quantize(shifted, spec)
+    assert all(torch.equal(a, b) for a, b in zip(ops.quantize(x, *ops.codec_args(spec), k.offset), expected))
+    planes = (k.fine_codes, k.fine_scales)
+    torch.library.opcheck(ops.dequantize, (k.codes, k.scales, k.residual, *ops.spec_args(spec), *planes, k.head, k.offset))
+    args = list(_attention_args(300, 2, (spec, spec), mask=True))
+    args[1:4], args[4:7] = (k.codes, k.scales, k.residual), (v.codes, v.scales, v.residual)
+    extra = (*planes, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
+    torch.library.opcheck(ops.attention, (*args, 0.0, *extra))
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 100])
 def test_quantize_refined_is_quantize_and_the_newest_tokens_second_plane(tokens):
     spec = QuantSpec(4, "token", 32, True, clip=True, refine=8)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpass.config import REFINE_SHARE, QuantSpec
+from kvpass import reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
 
@@ -18,6 +19,7 @@ SPECS = [
     QuantSpec(4, "channel", 64, symmetric=False),
     QuantSpec(4, "token", 64, rotate=True, symmetric=False),
     QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),
+    QuantSpec(4, "token", 64, rotate=True, clip=True, refine=56, sinks=4, center=True),
 ]
 
 
@@ -35,14 +37,18 @@ def _packed(spec, S=150, dtype=torch.float16):
 def test_inner_tensors_have_documented_shapes_and_bytes(spec):
     x, p = _packed(spec, S=256)
     assert p.shape == x.shape and p.dtype == torch.float16
-    assert p.codes.dtype == torch.uint8 and p.codes.shape == (3, 2, 256, 32)
+    n_quant = 256 - spec.sinks  # fp sinks are not quantized
+    assert p.codes.dtype == torch.uint8 and p.codes.shape == (3, 2, n_quant, 32)
+    assert p.head is None if not spec.sinks else (p.head.shape == (3, 2, spec.sinks, 64) and p.head.dtype == x.dtype)
+    assert p.offset is None if not spec.center else p.offset.shape == (3, 2, 1, 64) and p.offset.dtype == torch.float16
     if spec.scheme == "channel":
         scales_shape = (3, 2, 4, 64)
     else:
-        scales_shape = (3, 2, 256, 64 // min(spec.group, 64))
+        scales_shape = (3, 2, n_quant, 64 // min(spec.group, 64))
     # asymmetric: (scale, zero point) in a trailing dimension
     assert p.scales.shape == (scales_shape if spec.symmetric else (*scales_shape, 2))
-    assert p.stored_bytes() <= 0.30 * x.numel() * 2
+    fp_parts = sum(t.numel() * t.element_size() for t in (p.head, p.offset) if t is not None)
+    assert p.stored_bytes() - fp_parts <= 0.30 * x.numel() * 2
 
 
 def test_dequantize_matches_reference(spec):
@@ -101,7 +107,7 @@ def test_save_load_round_trip(spec):
     loaded = torch.load(buffer)["keys"]  # weights_only=True: PackedKV is an allowed global
     assert isinstance(loaded, PackedKV) and loaded.spec == p.spec
     names = p.__tensor_flatten__()[0]
-    assert len(names) == (5 if spec.refine else 3)
+    assert len(names) == 3 + 2 * bool(spec.refine) + bool(spec.sinks) + spec.center
     for name in names:
         assert torch.equal(getattr(loaded, name), getattr(p, name))
 
@@ -398,3 +404,57 @@ def test_refine_needs_per_token_groups_without_a_window_and_static_caches_strip_
     assert REFINED.for_slots.refine == 0
     with pytest.raises(ValueError, match="preallocated"):
         PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", REFINED)
+
+
+SINKS_CENTERED = QuantSpec(4, "token", 64, rotate=True, clip=True, refine=56, sinks=4, center=True)
+
+
+def test_sinks_fill_from_the_first_tokens_and_the_offset_from_the_first_append():
+    torch.manual_seed(5)
+    shared = 5 * torch.randn(2, 3, 1, 64)  # a mean direction all tokens share
+    x = shared + torch.randn(2, 3, 90, 64)
+    p = PackedKV.from_float(x[:, :, :2], SINKS_CENTERED)  # too short to fill the sinks or center
+    assert p.n_head == 2 and p.codes.shape[2] == 0 and not p.offset.any()
+    p = p.append(x[:, :, 2:90])
+    assert p.n_head == 4 and p.codes.shape[2] == 86
+    assert torch.equal(p.head, reference.rotate(x[:, :, :4]))  # stored rotated, exact
+    assert not p.offset.any()  # fixed by the first append, which had no tokens past the first 4
+    q = PackedKV.from_float(x, SINKS_CENTERED)
+    assert torch.equal(q.offset, reference.center_offset(x, SINKS_CENTERED)) and q.offset.abs().max() > 1
+    assert torch.equal(q.dequantize(), quantize_dequantize(x, SINKS_CENTERED))
+    # Centering pays: the same tokens quantized minus the shared direction have a smaller error.
+    plain = quantize_dequantize(x, dataclasses.replace(SINKS_CENTERED, center=False))
+    assert (q.dequantize() - x).norm() < 0.5 * (plain - x).norm()
+
+
+def test_sinks_leave_with_a_sliding_window_and_crops_cut_into_them():
+    torch.manual_seed(6)
+    x = torch.randn(1, 2, 300, 64)
+    p = PackedKV.from_float(x, SINKS_CENTERED)
+    full = p.dequantize()
+    for sl in (slice(0, 2), slice(0, 4), slice(0, 150), slice(2, 300), slice(4, 300), slice(100, 300)):
+        part = p[:, :, sl]
+        assert part.n_head == max(0, min(4, sl.stop) - sl.start) and torch.equal(part.offset, p.offset)
+        if sl.start == 0:  # a crop keeps every surviving value
+            torch.testing.assert_close(part.dequantize(), full[:, :, sl], rtol=0, atol=0)
+        else:  # eviction also drops second planes a cache of its length would not keep
+            kept = part.dequantize()[:, :, : part.n_head + 100]
+            torch.testing.assert_close(kept, full[:, :, sl][:, :, : part.n_head + 100], rtol=0, atol=0)
+    order = torch.tensor([0, 0])
+    torch.testing.assert_close(p[order].dequantize(), full[order], rtol=0, atol=0)
+
+
+def test_sinks_and_center_settings_are_checked_and_static_caches_strip_them():
+    for name, value in (("sinks", 4), ("center", True)):
+        with pytest.raises(ValueError, match=f"{name}={value} needs scheme='token' and window=0"):
+            QuantSpec(4, "channel", 64, **{name: value})
+        with pytest.raises(ValueError, match=f"{name}={value} needs scheme='token' and window=0"):
+            QuantSpec(4, "token", 64, window=64, **{name: value})
+    with pytest.raises(ValueError, match="center=True needs symmetric=True"):
+        QuantSpec(4, "token", 64, symmetric=False, center=True)
+    with pytest.raises(ValueError, match="sinks must be an int >= 0"):
+        QuantSpec(sinks=-1)
+    assert QuantSpec.from_tag(SINKS_CENTERED.tag) == SINKS_CENTERED and SINKS_CENTERED.tag.endswith(":r56:s4:ctr")
+    assert SINKS_CENTERED.for_slots == dataclasses.replace(SINKS_CENTERED, refine=0, sinks=0, center=False)
+    with pytest.raises(ValueError, match="preallocated"):
+        PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", SINKS_CENTERED)

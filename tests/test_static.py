@@ -131,13 +131,13 @@ def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
     torch._dynamo.reset()
     model = build("llama")
     read = []
-    original = reference._stored_block
+    original = reference._Stored.block
 
-    def recording(codes, scales, residual, spec, n_quant, start, stop, *fine):
+    def recording(self, start, stop):
         read.append(start)
-        return original(codes, scales, residual, spec, n_quant, start, stop, *fine)
+        return original(self, start, stop)
 
-    monkeypatch.setattr(reference, "_stored_block", recording)
+    monkeypatch.setattr(reference._Stored, "block", recording)
     model.compile(backend=kvpass.kv4())
     model.generate(
         _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
