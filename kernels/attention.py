@@ -17,6 +17,10 @@ An asymmetric spec's ``scales`` carries the zero point at ``[..., 1]`` (see
 :mod:`kvpass.reference`); the kernel loads it next to the scale and dequantizes
 ``code * scale + zero`` in registers.
 
+fp sinks (``QuantSpec.sinks``) are the first tokens of the stored past, before the codes, read
+like the residual; a centered spec's offset (``QuantSpec.center``) is added to every dequantized
+code of its head.
+
 Each block loads its mask tile first and skips its K/V when no row of the tile attends to
 any of its keys (a ``False`` or ``-inf`` mask entry, or the causal mask): a static cache
 is attended over its whole buffer, and the unwritten tail then costs only its mask bytes.

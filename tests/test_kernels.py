@@ -424,6 +424,13 @@ def test_attention_rejects_bad_shapes():
     args = list(_inputs(1, 4, 2, 1, 10, 1, 64, torch.float32, KIVI, seed=0))
     with pytest.raises(ValueError, match="does not broadcast"):
         attention(*args, torch.ones(1, 1, 1, 5, dtype=torch.bool), 0.125, False, *KIVI)
+    rotated = (QuantSpec(4, "token", 64, rotate=True),) * 2
+    args = list(_inputs(1, 4, 2, 1, 10, 1, 64, torch.float32, rotated, seed=0))
+    extra = (None,) * 4
+    with pytest.raises(ValueError, match=r"k_offset must be \[1, 2, 1, 64\]"):
+        attention(*args, None, 0.125, False, *rotated, 0.0, *extra, None, torch.zeros(1, 2, 3, 64))
+    with pytest.raises(ValueError, match="v_head must be float"):
+        attention(*args, None, 0.125, False, *rotated, 0.0, *extra, None, None, torch.zeros(1, 2, 4, 32))
 
 
 @pytest.mark.parametrize("q_len", [1, 5])
