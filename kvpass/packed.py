@@ -288,7 +288,9 @@ class PackedKV(torch.Tensor):
         return _fallback(func, args, kwargs)
 
 
-def _rebuild(codes, scales, residual, spec, parts):
+def _rebuild(codes, scales, residual, spec, parts=None):
+    # Files saved before sinks and offsets existed pass the second code plane (or None) here.
+    parts = parts if isinstance(parts, dict) else dict(fine=parts)
     return PackedKV(codes, scales, residual, spec, **parts)
 
 
