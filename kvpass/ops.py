@@ -86,10 +86,7 @@ def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
 def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
     kernels = _triton_kernels()
     spec = QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip)
-    if kernels is None:
-        return reference.encode(x.contiguous(), spec, offset)
-    stored = reference.rotate(x) if rotate else x
-    return kernels.quantize(stored if offset is None else stored.float() - offset.float(), spec)
+    return reference.encode(x.contiguous(), spec, offset, reference.quantize if kernels is None else kernels.quantize)
 
 
 # --- quantize with a second code plane ----------------------------------------------------

@@ -571,9 +571,9 @@ def _to_copy_impl(func, args, kwargs):
     dtype = kwargs.get("dtype", t.dtype)
     moved = _map_inner(t, lambda x: x.to(device=device, non_blocking=kwargs.get("non_blocking", False)))
     # The logical dtype is the residual's and the sinks'; codes, scales and the offset keep theirs.
-    head = None if moved.head is None else moved.head.to(dtype)
-    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec,
-                    fine=moved._fine_planes() or None, head=head, offset=moved.offset)  # fmt: skip
+    parts = moved._parts()
+    parts["head"] = None if moved.head is None else moved.head.to(dtype)
+    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, **parts)
 
 
 @_implements(aten.detach.default, aten.clone.default, aten.alias.default)

@@ -434,10 +434,11 @@ def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor
     return stored if offset is None else stored.float() - offset.float()
 
 
-def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None, quantizer=quantize):
     """The stored form of ``x``: rotated first when ``spec.rotate``, minus a centered spec's
-    ``offset`` (stored domain), then quantized."""
-    return quantize(_centered(rotate(x) if spec.rotate else x, offset), spec)
+    ``offset`` (stored domain), then quantized by ``quantizer`` (:func:`quantize` or a kernel
+    computing exactly the same): ``(codes, scales)``."""
+    return quantizer(_centered(rotate(x) if spec.rotate else x, offset), spec)
 
 
 def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None, head=None,
