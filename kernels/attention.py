@@ -407,9 +407,9 @@ def _check_fine(name, fine_codes, fine_scales, codes, scales, spec: QuantSpec):
     return fine_codes, fine_scales
 
 
-def _check_sinks(name, head, offset, codes, B, Hkv, dim, device):
+def _check_sinks(name, head, offset, B, Hkv, dim, device):
     """Validate fp sinks and a centered spec's offset; ``(head, offset)``, None where absent
-    (an offset of no rows, before any token is quantized, reads as absent)."""
+    (an offset of no rows, in a cache whose first append fixed none, reads as absent)."""
     if head is not None:
         if head.dim() != 4 or tuple(head.shape[:2]) != (B, Hkv) or head.shape[3] != dim or not head.is_floating_point():
             raise ValueError(f"{name}_head must be float [{B}, {Hkv}, S_h, {dim}], got {head.dtype} {list(head.shape)}")
@@ -417,10 +417,10 @@ def _check_sinks(name, head, offset, codes, B, Hkv, dim, device):
             raise ValueError(f"{name}_head is on {head.device}, q on {device}; all must share a device")
     if offset is not None:
         rows = offset.shape[2] if offset.dim() == 4 else -1
-        if tuple(offset.shape) != (B, Hkv, rows, dim) or rows not in (0, 1) or (rows == 0 and codes.shape[2]):
+        if tuple(offset.shape) != (B, Hkv, rows, dim) or rows not in (0, 1):
             raise ValueError(
-                f"{name}_offset must be [{B}, {Hkv}, 1, {dim}] ([{B}, {Hkv}, 0, {dim}] before any token is "
-                f"quantized), got {list(offset.shape)} for {codes.shape[2]} quantized tokens"
+                f"{name}_offset must be [{B}, {Hkv}, 1, {dim}] ([{B}, {Hkv}, 0, {dim}] where the cache has none), "
+                f"got {list(offset.shape)}"
             )
         if offset.device != device:
             raise ValueError(f"{name}_offset is on {offset.device}, q on {device}; all must share a device")
@@ -528,8 +528,8 @@ def attention(
     Hkv, T_new, Dv = k_new.shape[1], k_new.shape[2], v_new.shape[3]
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    k_head, k_offset = _check_sinks("k", k_head, k_offset, k_codes, B, Hkv, D, q.device)
-    v_head, v_offset = _check_sinks("v", v_head, v_offset, v_codes, B, Hkv, Dv, q.device)
+    k_head, k_offset = _check_sinks("k", k_head, k_offset, B, Hkv, D, q.device)
+    v_head, v_offset = _check_sinks("v", v_head, v_offset, B, Hkv, Dv, q.device)
     past_k = _rows(k_head) + _check_stored("k", k_codes, k_scales, k_residual, k_spec, B, Hkv, D, q.device)
     past_v = _rows(v_head) + _check_stored("v", v_codes, v_scales, v_residual, v_spec, B, Hkv, Dv, q.device)
     if past_k != past_v:

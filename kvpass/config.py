@@ -18,6 +18,10 @@ REFINE_SHARE = 8
 # (attention sinks, whose keys are outliers, not typical keys), at most CENTER_TOKENS of them.
 CENTER_SKIP = 4
 CENTER_TOKENS = 64
+# A cache takes its fp sinks and offset only from a first append (a prompt) of at least this
+# many tokens: on a shorter cache their fixed bytes outweigh what they save, and a few tokens fix a
+# poor offset. A cache started by decode steps or a short prompt has neither.
+PREFIX_MIN_TOKENS = 64
 SCHEMES = ("channel", "token")
 INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
@@ -55,14 +59,20 @@ class QuantSpec:
     codes, so its first codes never change.
 
     ``sinks=N`` (per-token scheme, no window) keeps a cache's first ``N`` tokens unquantized,
-    in the model's dtype: attention sinks, which every query reads heavily, so their error
-    reaches every token. They leave only with a sliding window's eviction.
+    in 16 bits (the model's dtype, or bfloat16 for an fp32 model): attention sinks, which every
+    query reads heavily, so their error reaches every token. They leave only with a sliding
+    window's eviction.
 
     ``center=True`` (symmetric per-token scheme, no window) quantizes each token minus a fixed
     offset per sequence and head: the mean of the cache's first append after its first
-    ``CENTER_SKIP`` tokens (at most ``CENTER_TOKENS`` of them; zero when that append holds no more),
-    stored in fp16. Reading adds it back, so the codes spend their levels on what differs
-    between tokens, not on a direction all of them share (Gemma 3's keys).
+    ``CENTER_SKIP`` tokens (at most ``CENTER_TOKENS`` of them), stored in fp16. Reading adds it
+    back, so the codes spend their levels on what differs between tokens, not on a direction all
+    of them share (Gemma 3's keys).
+
+    Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more
+    (:meth:`takes_prefix`). A cache that took sinks pays for them with ``sink_plane_cost`` (15)
+    fewer refined tokens for as long as it holds them or its offset, so from 128 tokens on it
+    stores no more than it would without them.
     """
 
     bits: int = 4
@@ -188,10 +198,23 @@ class QuantSpec:
         is written, with no fp window, no second code plane, no fp sinks and no offset."""
         return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False)
 
-    def refined_tokens(self, stored: int):
-        """How many of the newest of ``stored`` quantized tokens carry the second code plane."""
-        # sym_min keeps symbolic lengths free of guards.
-        return torch.sym_min(self.refine, stored // REFINE_SHARE)
+    def takes_prefix(self, first: int) -> bool:
+        """Whether a first append of ``first`` tokens fixes this spec's sinks and offset."""
+        return bool(self.sinks or self.center) and first >= PREFIX_MIN_TOKENS
+
+    @property
+    def sink_plane_cost(self) -> int:
+        """Refined tokens a cache that took sinks gives up: as many as its 16-bit sinks (beyond the
+        codes they replace) and fp16 offset row take, in quantized tokens' bytes (15 for int4, groups of 64)."""
+        token_bits = self.bits + 16 * (1 if self.symmetric else 2) / self.group  # per value
+        return math.ceil((self.sinks * (16 - token_bits) + 16 * self.center) / token_bits)
+
+    def refined_tokens(self, stored: int, took_sinks: bool = False):
+        """How many of the newest of ``stored`` quantized tokens carry the second code plane
+        (``sink_plane_cost`` fewer in a cache that ``took_sinks``)."""
+        # sym_min / sym_max keep symbolic lengths free of guards.
+        tokens = torch.sym_min(self.refine, stored // REFINE_SHARE)
+        return torch.sym_max(tokens - self.sink_plane_cost, 0) if took_sinks and self.sinks else tokens
 
     def token_group(self, head_dim: int) -> int:
         """Channel-group size of a per-token scheme for this head_dim.
@@ -206,8 +229,8 @@ class QuantSpec:
 class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
-    # Chosen by measured streaming perplexity on SmolLM2 (docs/eval.md, docs/design.md).
-    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+    # Chosen by measured streaming perplexity on SmolLM2 and Gemma 3 (docs/eval.md, docs/design.md).
+    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True)
     v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.

@@ -14,8 +14,10 @@ scale (and a 16-bit zero point when asymmetric). A per-token group spans
 channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
 left out, as it is negligible at the context lengths where the cache matters. The newest
 ``min(refine, tokens // 8)`` tokens of each layer also hold a second plane of codes and
-scales (``QuantSpec.refine``, 64 by default), costed like the first. fp8 and int8 are
-costed without scales.
+scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
+fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
+paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
+from prompts of 64 tokens or more). fp8 and int8 are costed without scales.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
-from kvpass.config import REFINE_SHARE, KVConfig
+from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, KVConfig
 
 logger = logging.getLogger("kvpass")
 
@@ -156,19 +158,30 @@ def kv_cache_bytes(
     sizes = kv_sizes(source)
     total = batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
     if fmt == "kv4":
-        total += batch * _refinement_bytes(sizes, context, k_group, v_group)
+        total += batch * _kv4_extra_bytes(sizes, context, k_group, v_group)
     return total
 
 
-def _refinement_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -> float:
-    """Bytes of kv4's second code planes for one sequence: the newest tokens of each layer."""
+def _kv4_extra_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -> float:
+    """Bytes kv4 stores for one sequence beyond a code and scale per element: each layer's second
+    code plane of its newest tokens, and K's fp16 sinks (beyond the codes they stand for) and
+    offset, which a prompt of ``context`` tokens fixes and a sliding window evicts first."""
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
+    specs = (
+        (dataclasses.replace(_DEFAULT.k, group=k_group), sizes.k_head_dim, k_bits),
+        (dataclasses.replace(_DEFAULT.v, group=v_group), sizes.v_head_dim, v_bits),
+    )
     sliding_held = min(context, sizes.window) if sizes.sliding_layers else 0
+    fp16_bits = _FIXED_BITS["fp16"]
     total = 0.0
-    for spec, dim, bits in ((_DEFAULT.k, sizes.k_head_dim, k_bits), (_DEFAULT.v, sizes.v_head_dim, v_bits)):
-        refined = (sizes.layers - sizes.sliding_layers) * spec.refined_tokens(context)
-        refined += sizes.sliding_layers * spec.refined_tokens(sliding_held)
-        total += refined * sizes.kv_heads * dim * bits / 8
+    for spec, dim, bits in specs:
+        takes_prefix = spec.takes_prefix(context)
+        for layers, held in ((sizes.layers - sizes.sliding_layers, context), (sizes.sliding_layers, sliding_held)):
+            sinks = spec.sinks if takes_prefix and held == context else 0
+            refined = spec.refined_tokens(held, takes_prefix)
+            offset_bits = fp16_bits * dim if spec.center and takes_prefix else 0
+            per_head = refined * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits
+            total += layers * sizes.kv_heads * per_head / 8
     return total
 
 
@@ -445,6 +458,8 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         f"kv4: K {k_bits:g} bits/element (scale per {k_span} {k_unit}), "
         f"V {v_bits:g} bits/element (scale per {v_span} channels per token), the newest "
         f"min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
+        f"K's first {_DEFAULT.k.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
+        f"{_DEFAULT.k.sink_plane_cost} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens); "
         "fp8/int8 without scales",
         *sizes.notes,
     ]

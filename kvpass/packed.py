@@ -48,13 +48,17 @@ class PackedKV(torch.Tensor):
       ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``);
     * ``fine_codes``, ``fine_scales`` (``spec.refine`` only, else None): ``[B, H, F, ...]`` laid
       out like ``codes`` and ``scales``, the quantized error of the newest ``F`` quantized tokens
-      (``F = spec.refined_tokens(S_q)`` after an append; fewer after a crop), added on reading;
-    * ``head`` (``spec.sinks`` only, else None): ``[B, H, S_h, D]`` in the logical dtype, the
-      first ``S_h <= spec.sinks`` tokens, unquantized (attention sinks); the logical tensor is
-      ``[head | codes | residual]``, ``S = S_h + S_q + R``;
+      (``F = spec.refined_tokens(S_h + S_q, took sinks)`` after an append; fewer after a crop),
+      added on reading;
+    * ``head`` (``spec.sinks`` only, else None): ``[B, H, S_h, D]`` in 16 bits (the logical
+      dtype, bfloat16 for fp32: :func:`kvpass.reference.sink_dtype`), the first ``S_h`` tokens,
+      unquantized (attention sinks): ``spec.sinks`` of them from a first append of at least
+      ``PREFIX_MIN_TOKENS``, else none; the logical tensor is ``[head | codes | residual]``,
+      ``S = S_h + S_q + R``;
     * ``offset`` (``spec.center`` only, else None): ``fp16 [B, H, 1, D]``, subtracted from every
-      token before quantizing and added back on reading (``[B, H, 0, D]`` until the first append
-      fixes it, :func:`kvpass.reference.center_offset`).
+      token before quantizing and added back on reading (:func:`kvpass.reference.center_offset`);
+      ``[B, H, 0, D]`` (none) until a first append long enough to fix it, and for good after a
+      shorter one.
 
     All of them live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them, which
@@ -157,17 +161,17 @@ class PackedKV(torch.Tensor):
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
     def _sinks_and_offset(self, new: torch.Tensor):
-        """``(head, offset, rest)``: the fp sinks after this append (the first tokens of an empty
-        cache fill them), a centered spec's offset (fixed by the first append) and the new tokens
+        """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
+        (a long enough first append fixes both, :meth:`QuantSpec.takes_prefix`) and the new tokens
         left to quantize."""
         head, offset = self.head, self.offset
-        if offset is not None and offset.shape[2] == 0:
-            offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
-        room = self.spec.sinks - head.shape[2] if head is not None and self.codes.shape[2] == 0 else 0
-        if room:
-            first = new[:, :, : torch.sym_min(room, new.shape[2])]
-            head = torch.cat([head, (ops.rotate(first) if self.spec.rotate else first).to(self.dtype)], dim=2)
-            new = new[:, :, first.shape[2] :]
+        if self.codes.shape[2] == 0 and self.n_head == 0 and self.spec.takes_prefix(new.shape[2]):
+            if offset is not None:
+                offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
+            if head is not None:
+                first = new[:, :, : self.spec.sinks]
+                head = (ops.rotate(first) if self.spec.rotate else first).to(reference.sink_dtype(self.dtype))
+                new = new[:, :, self.spec.sinks :]
         return head, offset, new
 
     def _refined_append(self, new: torch.Tensor, head, offset) -> PackedKV:
@@ -178,7 +182,9 @@ class PackedKV(torch.Tensor):
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
         codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine, offset)
-        n_fine = self.spec.refined_tokens(self.codes.shape[2] + new.shape[2])
+        # Counted over every token the cache holds, sinks too: K's plane then changes length at the
+        # same steps as V's, and decode graphs mark both dynamic at once.
+        n_fine = self.spec.refined_tokens(_head_len(head) + self.codes.shape[2] + new.shape[2], _took_sinks(head, offset))
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
@@ -217,7 +223,7 @@ class PackedKV(torch.Tensor):
     @property
     def n_head(self) -> int:
         """Tokens in the fp sinks (0 without ``spec.sinks``)."""
-        return 0 if self.head is None else self.head.shape[2]
+        return _head_len(self.head)
 
     def _parts(self) -> dict:
         """The optional inner tensors, as the constructor takes them."""
@@ -386,7 +392,7 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     B, H, _, D = x.shape
     codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
     fine = (codes.new_empty(codes.shape), scales.new_empty(scales.shape)) if spec.refine else None  # no aliases
-    head = x.new_empty((B, H, 0, D)) if spec.sinks else None
+    head = x.new_empty((B, H, 0, D), dtype=reference.sink_dtype(x.dtype)) if spec.sinks else None
     offset = x.new_empty((B, H, 0, D), dtype=reference.SCALE_DTYPE) if spec.center else None  # set by the first append
     return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset)
 
@@ -397,18 +403,32 @@ def _map_inner(t: PackedKV, fn) -> PackedKV:
     return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset)
 
 
-def _fine_between(t: PackedKV, start, stop):
-    """The second code plane of ``t``'s quantized tokens ``[start, stop)`` (None without one).
+def _head_len(head: torch.Tensor | None) -> int:
+    """Tokens in fp sinks ``head`` (None: a spec without sinks)."""
+    return 0 if head is None else head.shape[2]
 
-    At most the newest ``refined_tokens(stop - start)`` of them keep it, as in a cache that holds
-    just those tokens: a sliding window's eviction then matches a cache built at its length.
+
+def _took_sinks(head: torch.Tensor | None, offset: torch.Tensor | None) -> bool:
+    """Whether a cache took fp sinks, which its second plane pays for. A sliding window may have
+    evicted them since; the offset it keeps says so, and the plane stays as short as it was (it
+    cannot regain rows), whichever step the eviction came at."""
+    return head is not None and (head.shape[2] > 0 or reference.offset_or_none(offset) is not None)
+
+
+def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
+    """The second code plane of ``t``'s quantized tokens ``[start, stop)`` (None without one), in a
+    cache of those tokens after the sinks ``head``.
+
+    At most as many of them keep it as a cache that holds just those tokens would refine: a
+    sliding window's eviction then matches a cache built at its length.
     """
     if t.fine_codes is None:
         return None
     fine_start = t.codes.shape[2] - t.fine_codes.shape[2]
     # sym_max instead of max keeps symbolic lengths free of guards.
     hi = torch.sym_max(stop - fine_start, 0)
-    lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - t.spec.refined_tokens(stop - start))
+    kept = t.spec.refined_tokens(_head_len(head) + stop - start, _took_sinks(head, t.offset))
+    lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - kept)
     return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
 
 
@@ -529,10 +549,10 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     n_head, n_quant = t.n_head, t.codes.shape[2]
     lo, hi = min(max(start - n_head, 0), n_quant), min(max(end - n_head, 0), n_quant)
     behind = n_head + n_quant
+    head = None if t.head is None else t.head[:, :, start:end]
     return PackedKV(
         t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
-        t.spec, rows=t._rows, fine=_fine_between(t, lo, hi),
-        head=None if t.head is None else t.head[:, :, start:end], offset=t.offset,
+        t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
     )  # fmt: skip
 
 
@@ -570,9 +590,9 @@ def _to_copy_impl(func, args, kwargs):
     device = kwargs.get("device", t.device)
     dtype = kwargs.get("dtype", t.dtype)
     moved = _map_inner(t, lambda x: x.to(device=device, non_blocking=kwargs.get("non_blocking", False)))
-    # The logical dtype is the residual's and the sinks'; codes, scales and the offset keep theirs.
+    # The logical dtype is the residual's (and sets the sinks'); codes, scales and the offset keep theirs.
     parts = moved._parts()
-    parts["head"] = None if moved.head is None else moved.head.to(dtype)
+    parts["head"] = None if moved.head is None else moved.head.to(reference.sink_dtype(dtype))
     return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, **parts)
 
 

@@ -796,11 +796,20 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
                         f"scheme={spec.scheme!r} needs its tokens in order, per-token groups ('token') do not"
                     )
         return k, v  # a graph input's buffer keeps the spec it was allocated with
-    if k.node is v.node and config.k != config.v:
-        raise NoMatch(f"K and V are one cache tensor {k.node.name} (shared-KV MQA), so they need one quantization spec")
-    _check_packable(k, config.k, "K")
-    _check_packable(v, config.v, "V")
+    if k.node is v.node and config.k.scheme != "token":
+        raise NoMatch(
+            f"K and V are one cache tensor {k.node.name} (shared-KV MQA), stored with K's spec, and V is read "
+            f"only from per-token groups; k_scheme={config.k.scheme!r} would need 'token'"
+        )
+    k_spec, v_spec = _site_specs(k, v, config)
+    _check_packable(k, k_spec, "K")
+    _check_packable(v, v_spec, "V")
     return k, v
+
+
+def _site_specs(k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> tuple[QuantSpec, QuantSpec]:
+    """The specs K and V are stored with: one cache tensor read as both (shared-KV MQA) has K's."""
+    return (config.k, config.k) if k.node is v.node else (config.k, config.v)
 
 
 def _check_tiled_masks(attn: _Attention) -> None:
@@ -938,7 +947,8 @@ def _rewrite_site(
         return "prefill"
     if _is_static(k):
         return _rewrite_static_site(graph, attn, k, v, config)
-    for write, spec in ((k, config.k), (v, config.v)):
+    k_spec, v_spec = _site_specs(k, v, config)
+    for write, spec in ((k, k_spec), (v, v_spec)):
         _replace_cache_write(graph, write, spec, shared.packed)
     prefill = k.past is None
     if prefill:
@@ -960,7 +970,7 @@ def _rewrite_site(
                 (query, k.past, k_new, v.past, v_new),
                 {
                     "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
-                    "k_spec": config.k.tag, "v_spec": config.v.tag,
+                    "k_spec": k_spec.tag, "v_spec": v_spec.tag,
                     **({"softcap": attn.softcap} if attn.softcap else {}),
                     **({"v_heads": v.heads} if v.heads is not None else {}),
                 },

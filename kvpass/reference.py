@@ -429,8 +429,21 @@ def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.T
     return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
 
 
+def sink_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What fp sinks are stored in: the model's dtype when it has 16 bits, else bfloat16 (an fp32
+    model's sinks cost what a 16-bit model's do, and keep fp32's range)."""
+    return dtype if dtype.itemsize <= 2 else torch.bfloat16
+
+
+def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
+    """A centered cache's offset, or None where it has none: an offset of no rows belongs to a cache
+    whose first append was too short to fix one (:meth:`QuantSpec.takes_prefix`) or not yet made."""
+    return offset if offset is not None and offset.shape[2] else None
+
+
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Stored-domain tokens minus a centered spec's ``offset``, in fp32 (unchanged without one)."""
+    offset = offset_or_none(offset)
     return stored if offset is None else stored.float() - offset.float()
 
 
@@ -447,6 +460,7 @@ def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fin
     (refined, for the newest ``fine_codes.shape[2]`` of them; plus ``offset`` if centered), then
     the residual, unrotated."""
     quantized = _refined(dequantize(codes, scales, spec, torch.float32), fine_codes, fine_scales, spec, 0)
+    offset = offset_or_none(offset)
     if offset is not None:
         quantized = quantized + offset.float()
     parts = [quantized, residual.float()] if head is None else [head.float(), quantized, residual.float()]
@@ -471,29 +485,38 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
     return torch.cat([deq[:, :, : lo - start], deq[:, :, lo - start :] + correction], dim=2)
 
 
-def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
-    """What a cache built from ``x`` (in one go or by appends) gives back; whole groups only for
-    channel; with ``spec.refine`` the newest ``spec.refined_tokens(S)`` tokens refined; the first
-    ``spec.sinks`` exact; with ``spec.center``, quantized minus ``offset`` (default: the
-    :func:`center_offset` of ``x``, as when ``x`` is the cache's first append)."""
+def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,
+                        sinks: int | None = None) -> torch.Tensor:  # fmt: skip
+    """What a cache holding ``x`` (built in one go or by appends) gives back; whole groups only for
+    channel. Its first ``sinks`` tokens are exact, the rest quantized minus ``offset`` (a centered
+    spec's, if any), the newest ``spec.refined_tokens(S, took_sinks)`` of them refined. Without
+    ``sinks``, both are what a cache whose first append is ``x`` takes (:meth:`QuantSpec.takes_prefix`;
+    ``offset`` then defaults to :func:`center_offset`)."""
     B, H, S, D = x.shape
-    if spec.center and offset is None:
-        offset = center_offset(x, spec)
+    if sinks is None:
+        takes_prefix = spec.takes_prefix(S)
+        sinks = spec.sinks if takes_prefix else 0
+        if spec.center and offset is None and takes_prefix:
+            offset = center_offset(x, spec)
     stored = rotate(x) if spec.rotate else x
-    n_head = min(spec.sinks, S)
+    n_head = min(sinks, S)
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
     codes, scales = quantize(quantized, spec)
-    fine = second_plane(quantized, codes, scales, spec) if spec.refine else ()
-    head = stored[:, :, :n_head] if spec.sinks else None
+    # A cache pays for sinks it took while it holds them or their offset (kvpass.packed._took_sinks).
+    n_fine = spec.refined_tokens(n_head + quantized.shape[2], bool(n_head) or offset_or_none(offset) is not None)
+    fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
+    head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None
     return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine, head=head, offset=offset)
 
 
-def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec):
+def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
+                 n_fine: int | None = None):  # fmt: skip
     """``(fine_codes, fine_scales)`` of quantized tokens ``stored`` (stored domain) whose
-    ``codes``/``scales`` are given: the error of the newest ``spec.refined_tokens(S)``, quantized."""
+    ``codes``/``scales`` are given: the error of the newest ``n_fine`` (default
+    ``spec.refined_tokens(S)``), quantized."""
     S = stored.shape[2]
-    return _error_plane(stored, codes, scales, spec, S - spec.refined_tokens(S))
+    return _error_plane(stored, codes, scales, spec, S - (spec.refined_tokens(S) if n_fine is None else n_fine))
 
 
 def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quantize):
@@ -710,7 +733,8 @@ class _Stored:
                 blk_scales = self.scales[:, :, lo:hi]
             deq = dequantize_field_major(self.codes[:, :, lo:hi], blk_scales, spec)
             deq = _refined(deq, self.fine_codes, self.fine_scales, spec, lo, n_quant, dequantize_field_major)
-            parts.append(deq if self.offset is None else deq.add_(self.offset[..., order].float()))
+            offset = offset_or_none(self.offset)
+            parts.append(deq if offset is None else deq.add_(offset[..., order].float()))
         if stop > n_head + n_quant:
             parts.append(self.residual[:, :, max(start - n_head - n_quant, 0) : stop - n_head - n_quant, order].float())
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

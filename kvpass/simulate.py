@@ -53,14 +53,17 @@ class FpTokens:
         return start, start + (free // self.flush * self.flush if free > 0 else 0)
 
     def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, head_dim: int) -> float:
-        """Bytes of a ``stored``-token cache (fp tokens in fp16, refined tokens' second code
-        plane, a spec's own sinks and offset included) over an all-fp16 cache."""
+        """Bytes of a ``stored``-token cache built from one prompt (fp tokens in fp16, refined
+        tokens' second code plane, the sinks and offset a spec takes from it included) over an
+        all-fp16 cache."""
         start, stop = self.quantized(stored)
         total = 0
         for spec in (k_spec, v_spec):
-            n_quant = stop - max(start, min(spec.sinks, stop))
-            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if spec.center else 0)
-            total += (n_quant + spec.refined_tokens(n_quant)) * spec_bytes_per_token(spec, head_dim)
+            takes = spec.takes_prefix(stored)
+            sinks = min(spec.sinks, stop) if takes else 0
+            n_quant = stop - max(start, sinks)
+            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if spec.center and takes else 0)
+            total += (n_quant + spec.refined_tokens(n_quant + sinks, takes)) * spec_bytes_per_token(spec, head_dim)
         return total / (stored * 4 * head_dim)
 
 
@@ -78,9 +81,14 @@ def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
 def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
     ``state`` (a dict per layer) counts the tokens seen and holds centered specs' offsets."""
-    if not state:  # the first update fixes a centered spec's offset, as kv4's first append does
-        state.update(seen=0, offsets=[center_offset(x, s) if s.center else None
-                                      for x, s in ((key_states, k_spec), (value_states, v_spec))])  # fmt: skip
+    if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
+        v_spec = k_spec
+    if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
+        prefixes = []
+        for x, spec in ((key_states, k_spec), (value_states, v_spec)):
+            takes = spec.takes_prefix(x.shape[2])
+            prefixes.append((spec.sinks if takes else 0, center_offset(x, spec) if spec.center and takes else None))
+        state.update(seen=0, prefixes=prefixes)
     state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
     past = full_k.shape[2] - key_states.shape[2]
@@ -88,14 +96,18 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     # The past as the cache stored it after the previous step; the new tokens are exact.
     start, stop = fp_tokens.quantized(past)
 
-    def read(full, spec, offset):
-        first = max(start, min(spec.sinks - evicted, past))  # the spec's sinks, while the layer holds them
+    def read(full, spec, prefix):
+        sinks, offset = prefix
+        held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
+        first = max(start, held)
         if stop <= first:
             return full
-        quantized = quantize_dequantize(full[:, :, first:stop], dataclasses.replace(spec, sinks=0), offset)
-        return torch.cat([full[:, :, :first], quantized, full[:, :, stop:]], 2)
+        # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens.
+        stored = quantize_dequantize(full[:, :, first - held : stop], spec, offset, sinks=held)
+        return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
 
-    return read(full_k, k_spec, state["offsets"][0]), read(full_v, v_spec, state["offsets"][1])
+    (k_prefix, v_prefix) = state["prefixes"]
+    return read(full_k, k_spec, k_prefix), read(full_v, v_spec, v_prefix)
 
 
 class SimulatedKVCache(DynamicCache):

@@ -67,7 +67,7 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     backend = kvpass.kv4(
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
         v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
-        clip=k_spec.clip, refine=k_spec.refine,
+        clip=k_spec.clip, refine=k_spec.refine, k_sinks=k_spec.sinks, k_center=k_spec.center,
     )  # fmt: skip
     assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)

@@ -65,8 +65,12 @@ def test_kv4_ratio_head_dim_128():
     ratio = kv_bytes_per_token((32, 8, 128), "kv4") / kv_bytes_per_token((32, 8, 128), "fp16")
     assert ratio == (4.25 + 4.25) / 32 == 0.265625
     assert kv_bytes_per_token((32, 8, 128), "kv4") == 34816  # 34 KiB
-    # plus the second code plane of the newest 64 tokens of every layer
-    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 64 * 34816
+    # plus the second code plane of the newest 64 tokens of every layer, of which K gives 15 up for
+    # its first 4 tokens in fp16 (beyond their 4.25 bits) and an fp16 offset row per KV head
+    k_extra = 49 * 128 * 4.25 / 8 + 4 * 128 * (16 - 4.25) / 8 + 128 * 2
+    v_extra = 64 * 128 * 4.25 / 8
+    assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 32 * 8 * (k_extra + v_extra)
+    assert kv_cache_bytes((32, 8, 128), "kv4", 32) == 32 * 34816 + 32 * 8 * 2 * 4 * 128 * 4.25 / 8  # no sinks
 
 
 def test_kv4_group_clipped_to_what_head_dim_allows():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpass import eval as kv_eval
+from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.models_zoo import build
@@ -122,7 +123,8 @@ def test_method_names():
     # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
     # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks and -kc centers K
     assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
-    assert kv_eval.parse_method("kv4-rot-mse-r64").specs == (KVConfig().k, KVConfig().v)
+    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs == (KVConfig().k, KVConfig().v)
+    assert not any(s.sinks or s.center for s in kv_eval.parse_method("kv4-rot-mse-r64").specs)
     k, v = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc").specs
     assert (k.sinks, k.center, k.refine, v.sinks, v.center, v.refine) == (4, True, 56, 0, False, 56)
     assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
@@ -198,20 +200,27 @@ def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(1)
     shared = 8 * torch.randn(1, 2, 1, 64, generator=g)  # keys sharing a mean direction, as Gemma 3's
-    first = shared + torch.randn(1, 2, 40, 64, generator=g)
-    layer.update(first, torch.randn(1, 2, 40, 64, generator=g))
+    first = shared + torch.randn(1, 2, 70, 64, generator=g)  # a prompt long enough to fix both
+    layer.update(first, torch.randn(1, 2, 70, 64, generator=g))
     new = shared + torch.randn(1, 2, 3, 64, generator=g)
     read_k, _ = layer.update(new, torch.randn(1, 2, 3, 64, generator=g))
     offset = center_offset(first, k_spec)
-    plain_spec = dataclasses.replace(k_spec, sinks=0)
-    assert torch.equal(read_k[:, :, :2], first[:, :, :2])  # the sinks, exact
-    assert torch.equal(read_k[:, :, 2:40], quantize_dequantize(first[:, :, 2:], plain_spec, offset))
-    assert torch.equal(read_k[:, :, 40:], new)
+    assert torch.equal(read_k[:, :, :70], quantize_dequantize(first, k_spec, offset, sinks=2))
+    # the sinks: rotated, stored in bfloat16 for this fp32 model
+    sinks = reference.rotate(reference.rotate(first[:, :, :2]).bfloat16().float())
+    torch.testing.assert_close(read_k[:, :, :2], sinks, rtol=0, atol=1e-5)
+    assert torch.equal(read_k[:, :, 70:], new)
     packed = PackedKV.from_float(first, k_spec)  # what kv4 holds after the same first update
-    torch.testing.assert_close(read_k[:, :, :40], packed.dequantize(), rtol=0, atol=1e-5)
+    assert packed.n_head == 2 and torch.equal(packed.offset, offset)
+    torch.testing.assert_close(read_k[:, :, :70], packed.dequantize(), rtol=0, atol=1e-5)
     # The offset's point: less to quantize than K itself.
-    uncentered = quantize_dequantize(first[:, :, 2:], dataclasses.replace(plain_spec, center=False))
-    assert (read_k[:, :, 2:40] - first[:, :, 2:]).norm() < 0.5 * (uncentered - first[:, :, 2:]).norm()
+    uncentered = quantize_dequantize(first, dataclasses.replace(k_spec, center=False))[:, :, 2:]
+    assert (read_k[:, :, 2:70] - first[:, :, 2:]).norm() < 0.5 * (uncentered - first[:, :, 2:]).norm()
+    # A first update under 64 tokens fixes neither: the layer reads like a plain cache's.
+    short = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    short.update(first[:, :, :40], torch.randn(1, 2, 40, 64, generator=g))
+    read_k, _ = short.update(new, torch.randn(1, 2, 3, 64, generator=g))
+    assert torch.equal(read_k[:, :, :40], quantize_dequantize(first[:, :, :40], dataclasses.replace(k_spec, sinks=0, center=False)))
 
 
 def test_window_longer_than_the_text_is_the_fp_baseline(model):
@@ -244,9 +253,11 @@ def test_fp_token_method_names_and_bytes():
     assert real.fp16_ratio(4096, 64) == kv_eval.parse_method("sim-kv4-rot-g32-w64").fp16_ratio(4096, 64)
     with pytest.raises(ValueError, match="only in simulation"):
         kv_eval.parse_method("kv4-rot-w64-s4")  # the real backend has no fp sinks
-    # K sinks and offset: 4 fp16 tokens instead of 4 quantized ones, one fp16 row, in K only.
+    # K sinks and offset: 4 fp16 tokens instead of 4 quantized ones and one fp16 row, in K only,
+    # paid for by 15 of K's refined tokens.
     real = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc")
     assert real.kind == "kv4" and (real.specs[0].sinks, real.specs[0].center, real.specs[1].sinks) == (4, True, 0)
     plain = kv_eval.parse_method("kv4-rot-mse-r56").fp16_ratio(4096, 64)
-    extra = (4 * (128 - 34) + 128) / (4096 * 4 * 64)
+    extra = (4 * (128 - 34) + 128 - 15 * 34) / (4096 * 4 * 64)
     assert real.fp16_ratio(4096, 64) == pytest.approx(plain + extra)
+    assert real.fp16_ratio(4096, 64) < plain

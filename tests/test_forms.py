@@ -118,10 +118,11 @@ def _model(name):
 def test_form_rewritten_and_matches_reference(name):
     torch._dynamo.reset()
     model = _model(name)
-    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    # 70 tokens: K takes fp sinks and an offset (a prompt of 64 or more), which sliding windows evict.
+    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(0))
     nxt = torch.randint(3, 256, (2, 1), generator=torch.Generator().manual_seed(1))
     # Row 1 is left-padded, so the decode step's mask hides keys (a dropped mask shows).
-    mask = torch.ones(2, 40, dtype=torch.long)
+    mask = torch.ones(2, 70, dtype=torch.long)
     mask[1, :5] = 0
     inputs = [
         {"input_ids": ids, "attention_mask": mask},
@@ -179,7 +180,8 @@ def test_mla_latent_cache_is_int4_and_read_dequantized():
     assert [tuple(t.shape) for t in latents[:2]] == [(2, 1, 83, 32), (2, 1, 83, 16)]  # latent and rope key
     assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
 
-    reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
+    # Both latents are stored with V's spec: nothing attends over them as keys.
+    reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
     model(input_ids=ids, past_key_values=reference, use_cache=True)
     for i, logits in enumerate(got):
         expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from kvpass import reference  # noqa: E402
-from kvpass.config import QuantSpec  # noqa: E402
+from kvpass.config import PREFIX_MIN_TOKENS, QuantSpec  # noqa: E402
 from kvpass.kernels.attention import _INTERPRET as KERNELS_INTERPRETED  # noqa: E402
 
 if not KERNELS_INTERPRETED:
@@ -287,12 +287,13 @@ SINKS_CENTERED = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=T
 
 @pytest.mark.parametrize(
     "past, q_len, causal, dtype",
-    [(3, 1, False, torch.float32), (40, 1, False, torch.float16), (300, 4, True, torch.float32),
-     (1100, 1, False, torch.bfloat16)],
+    [(3, 1, False, torch.float32), (40, 1, False, torch.float16), (70, 1, False, torch.float32),
+     (300, 4, True, torch.float32), (1100, 1, False, torch.bfloat16)],
 )  # fmt: skip
 def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype):
     """K with fp sinks and quantized minus an offset (``sinks``, ``center``), V refined only:
-    positions shift by the sinks in K and not in V, and both extras are read."""
+    positions shift by the sinks in K and not in V, and both extras are read. A first append
+    under 64 tokens takes neither: an empty head and an offset of no rows."""
     from kvpass.packed import PackedKV
 
     gen = torch.Generator().manual_seed(past)
@@ -302,16 +303,17 @@ def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype):
     for step in (30, 1):
         k = k.append((shared + torch.randn(2, 2, step, 64, generator=gen)).to(dtype))
         v = v.append(torch.randn(2, 2, step, 64, generator=gen).to(dtype))
-    assert k.n_head == 4 and k.codes.shape[2] == past + 31 - 4 and v.codes.shape[2] == past + 31
-    # The offset comes from the first append's tokens after the first 4: none in a 3-token one.
-    assert k.offset.shape == (2, 2, 1, 64) and bool(k.offset.abs().max() > 1) == (past > 4)
+    sinks = 4 if past >= PREFIX_MIN_TOKENS else 0
+    assert k.n_head == sinks and k.codes.shape[2] == past + 31 - sinks and v.codes.shape[2] == past + 31
+    assert k.offset.shape == (2, 2, 1 if sinks else 0, 64)
+    assert not sinks or k.offset.abs().max() > 1
     q = torch.randn(2, 8, q_len, 64, generator=gen).to(dtype)
     new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
     args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
     extra = (k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, None, None)
     out = _check(args, None, causal, (SINKS_CENTERED, REFINED), dtype, fine=extra)
-    if dtype == torch.float32 and not causal:  # the sinks and the offset are read (top-left causal: sinks only)
-        for dropped in (4, 5) if past > 4 else (4,):
+    if dtype == torch.float32 and not causal and sinks:  # the sinks and the offset are read
+        for dropped in (4, 5):
             other = list(extra)
             other[dropped] = torch.zeros_like(other[dropped])
             moved = reference.attention(*args, None, 0.125, causal, SINKS_CENTERED, REFINED, 0.0, *other)

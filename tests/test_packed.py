@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvpass.config import REFINE_SHARE, QuantSpec
+from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, QuantSpec
 from kvpass import reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
@@ -409,22 +409,39 @@ def test_refine_needs_per_token_groups_without_a_window_and_static_caches_strip_
 SINKS_CENTERED = QuantSpec(4, "token", 64, rotate=True, clip=True, refine=56, sinks=4, center=True)
 
 
-def test_sinks_fill_from_the_first_tokens_and_the_offset_from_the_first_append():
+def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_neither():
     torch.manual_seed(5)
     shared = 5 * torch.randn(2, 3, 1, 64)  # a mean direction all tokens share
     x = shared + torch.randn(2, 3, 90, 64)
-    p = PackedKV.from_float(x[:, :, :2], SINKS_CENTERED)  # too short to fill the sinks or center
-    assert p.n_head == 2 and p.codes.shape[2] == 0 and not p.offset.any()
-    p = p.append(x[:, :, 2:90])
-    assert p.n_head == 4 and p.codes.shape[2] == 86
-    assert torch.equal(p.head, reference.rotate(x[:, :, :4]))  # stored rotated, exact
-    assert not p.offset.any()  # fixed by the first append, which had no tokens past the first 4
-    q = PackedKV.from_float(x, SINKS_CENTERED)
-    assert torch.equal(q.offset, reference.center_offset(x, SINKS_CENTERED)) and q.offset.abs().max() > 1
-    assert torch.equal(q.dequantize(), quantize_dequantize(x, SINKS_CENTERED))
+    for first in (2, PREFIX_MIN_TOKENS - 1):  # decode from empty, a short prompt
+        p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
+        assert p.n_head == 0 and p.codes.shape[2] == 90 and p.offset.shape[2] == 0
+        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90) == 11  # no sinks to pay for
+        torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=0), rtol=0, atol=0)
+    q = PackedKV.from_float(x[:, :, :PREFIX_MIN_TOKENS], SINKS_CENTERED).append(x[:, :, PREFIX_MIN_TOKENS:])
+    assert q.n_head == 4 and q.codes.shape[2] == 86
+    assert torch.equal(q.head, reference.rotate(x[:, :, :4]).bfloat16())  # rotated, 16 bits for an fp32 model
+    assert torch.equal(q.offset, reference.center_offset(x[:, :, :PREFIX_MIN_TOKENS], SINKS_CENTERED))
+    assert q.offset.abs().max() > 1
+    whole = PackedKV.from_float(x, SINKS_CENTERED)
+    assert torch.equal(whole.dequantize(), quantize_dequantize(x, SINKS_CENTERED))
     # Centering pays: the same tokens quantized minus the shared direction have a smaller error.
     plain = quantize_dequantize(x, dataclasses.replace(SINKS_CENTERED, center=False))
-    assert (q.dequantize() - x).norm() < 0.5 * (plain - x).norm()
+    assert (whole.dequantize() - x).norm() < 0.5 * (plain - x).norm()
+
+
+@pytest.mark.parametrize("tokens", [64, 200, 1000, 5000])
+def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
+    spec = dataclasses.replace(SINKS_CENTERED, refine=64)
+    assert spec.sink_plane_cost == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.randn(1, 2, tokens, 64, dtype=dtype)
+        with_prefix = PackedKV.from_float(x, spec)
+        without = PackedKV.from_float(x, dataclasses.replace(spec, sinks=0, center=False))
+        assert with_prefix.head.dtype == (torch.bfloat16 if dtype == torch.float32 else dtype)
+        assert with_prefix.fine_codes.shape[2] == max(0, min(64, tokens // 8) - 15)
+        if tokens >= 128:  # the plane is long enough to pay in full
+            assert with_prefix.stored_bytes() <= without.stored_bytes()
 
 
 def test_sinks_leave_with_a_sliding_window_and_crops_cut_into_them():

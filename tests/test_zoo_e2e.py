@@ -45,7 +45,8 @@ def test_family_compiles_rewrites_and_matches_reference(name):
     layers = _attention_layers(cache)
     assert layers and all(isinstance(t, PackedKV) for layer in layers for t in (layer.keys, layer.values))
 
-    reference = SimulatedKVCache(model.config, config.k, config.v)
+    # A latent cache is stored with V's spec: nothing attends over it as keys.
+    reference = SimulatedKVCache(model.config, config.v if name in LATENT else config.k, config.v)
     model(input_ids=ids, past_key_values=reference, use_cache=True)
     expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

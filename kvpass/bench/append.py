@@ -37,7 +37,7 @@ def _appender(method: str, past: torch.Tensor, spec):
     if method == "kv4 copy":
         # Dropping the growth bookkeeping makes every append copy into new storage.
         def copying(cache, new):
-            return PackedKV(cache.codes, cache.scales, cache.residual, spec, fine=cache._fine_planes() or None).append(new)
+            return PackedKV(cache.codes, cache.scales, cache.residual, spec, **cache._parts()).append(new)
 
         return packed, copying
     return packed, lambda cache, new: cache.append(new)
