@@ -8,7 +8,6 @@ printing every case.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
@@ -27,7 +26,8 @@ TOLERANCE = {
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 128, rotate=True), QuantSpec(4, "token", 128, rotate=True))
 INT2_INT8 = (QuantSpec(2, "channel", 16), QuantSpec(8, "token", 32))
-DEFAULT = (KVConfig().k, KVConfig().v)  # clipped scales (negative scales, code -8), a second code plane
+# Clipped scales (negative scales, code -8), a second code plane; K also fp sinks and an offset.
+DEFAULT = (KVConfig().k, KVConfig().v)
 
 QUANTIZE_CASES = [
     (QuantSpec(4, "token", 128), (3, 8, 1000, 128)),
@@ -102,18 +102,15 @@ def check_quantize_refined() -> bool:
     return ok
 
 
-# fp K sinks and a K offset (kvpass.kv4(k_sinks=4, k_center=True, refine=56)), V refined only.
-SINKS_CENTERED = (dataclasses.replace(DEFAULT[0], refine=56, sinks=4, center=True), dataclasses.replace(DEFAULT[1], refine=56))
-
-
 def check_sinks_and_offset(kernels) -> bool:
-    """A cache built by appends on CUDA with fp K sinks and a K offset: the refined quantize op
-    with the offset, and attention reading both, against the reference on the same tensors."""
+    """A cache built by appends on CUDA with the default's fp K sinks and K offset (a first append
+    of 64+ tokens; the 3-token one takes neither): the refined quantize op with the offset, and
+    attention reading both, against the reference on the same tensors."""
     from kvpass import ops
     from kvpass.packed import PackedKV
 
     ok = True
-    k_spec, v_spec = SINKS_CENTERED
+    k_spec, v_spec = DEFAULT
     for dtype, past, T in ((torch.float16, 1000, 1), (torch.bfloat16, 300, 16), (torch.float32, 3, 1)):
         shared = 4 * torch.randn(2, 4, 1, 128, device="cuda")
         k = PackedKV.from_float((shared + torch.randn(2, 4, past, 128, device="cuda")).to(dtype), k_spec)
