@@ -45,10 +45,10 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
   ``[..., 1]`` the zero point: ``fp16 [B, H, S, D // g, 2]`` or ``fp16 [B, H, S // g, D, 2]``.
   Everything that slices, concatenates or indexes the cache along B or S treats both
   forms alike, and the custom ops keep one ``scales`` argument either way.
-* fp sinks (``spec.sinks``): ``[B, H, S_h, D]`` in the model's dtype, stored domain, the first
-  tokens of the cache, before the codes; a centered spec's offset (``spec.center``, see
-  :func:`center_offset`): ``fp16 [B, H, 1, D]``, subtracted before quantizing, added back to
-  every dequantized code (second plane included).
+* fp sinks (``spec.sinks``): ``[B, H, S_h, D]`` in 16 bits (:func:`sink_dtype`), stored domain,
+  the first tokens of the cache, before the codes; a centered spec's offset (``spec.center``, see
+  :func:`center_offset`): ``fp16 [B, H, 1, D]`` (``[B, H, 0, D]``: none), subtracted before
+  quantizing, added back to every dequantized code (second plane included).
 """
 
 from __future__ import annotations
