@@ -210,8 +210,8 @@ class QuantSpec:
         return math.ceil((self.sinks * (16 - token_bits) + 16 * self.center) / token_bits)
 
     def refined_tokens(self, stored: int, took_sinks: bool = False):
-        """How many of the newest of ``stored`` quantized tokens carry the second code plane
-        (``sink_plane_cost`` fewer in a cache that ``took_sinks``)."""
+        """How many of the newest quantized tokens of a cache holding ``stored`` tokens (sinks
+        included) carry the second code plane: ``sink_plane_cost`` fewer in one that ``took_sinks``."""
         # sym_min / sym_max keep symbolic lengths free of guards.
         tokens = torch.sym_min(self.refine, stored // REFINE_SHARE)
         return torch.sym_max(tokens - self.sink_plane_cost, 0) if took_sinks and self.sinks else tokens

@@ -184,7 +184,8 @@ class PackedKV(torch.Tensor):
         codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine, offset)
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
-        n_fine = self.spec.refined_tokens(_head_len(head) + self.codes.shape[2] + new.shape[2], _took_sinks(head, offset))
+        held = _head_len(head) + self.codes.shape[2] + new.shape[2]
+        n_fine = self.spec.refined_tokens(held, _took_sinks(head, offset))
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]

@@ -488,10 +488,11 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,
                         sinks: int | None = None) -> torch.Tensor:  # fmt: skip
     """What a cache holding ``x`` (built in one go or by appends) gives back; whole groups only for
-    channel. Its first ``sinks`` tokens are exact, the rest quantized minus ``offset`` (a centered
-    spec's, if any), the newest ``spec.refined_tokens(S, took_sinks)`` of them refined. Without
-    ``sinks``, both are what a cache whose first append is ``x`` takes (:meth:`QuantSpec.takes_prefix`;
-    ``offset`` then defaults to :func:`center_offset`)."""
+    channel. Its first ``sinks`` tokens stay unquantized (in :func:`sink_dtype`), the rest are
+    quantized minus ``offset`` (a centered spec's, if any), the newest
+    ``spec.refined_tokens(S, took_sinks)`` of them refined. Without ``sinks``, both are what a
+    cache whose first append is ``x`` takes (:meth:`QuantSpec.takes_prefix`; ``offset`` then
+    defaults to :func:`center_offset`)."""
     B, H, S, D = x.shape
     if sinks is None:
         takes_prefix = spec.takes_prefix(S)

@@ -80,7 +80,7 @@ def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
 
 def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
-    ``state`` (a dict per layer) counts the tokens seen and holds centered specs' offsets."""
+    ``state`` (a dict per layer) counts the tokens seen and holds the sinks and offset each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
         v_spec = k_spec
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
@@ -106,7 +106,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         stored = quantize_dequantize(full[:, :, first - held : stop], spec, offset, sinks=held)
         return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
 
-    (k_prefix, v_prefix) = state["prefixes"]
+    k_prefix, v_prefix = state["prefixes"]
     return read(full_k, k_spec, k_prefix), read(full_v, v_spec, v_prefix)
 
 
