@@ -444,7 +444,8 @@ def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Stored-domain tokens minus a centered spec's ``offset``, in fp32 (unchanged without one)."""
     offset = offset_or_none(offset)
-    return stored if offset is None else stored.float() - offset.float()
+    # Type promotion computes in fp32 without a separate fp32 copy of the tokens.
+    return stored if offset is None else stored - offset.float()
 
 
 def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None, quantizer=quantize):
