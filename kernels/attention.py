@@ -408,13 +408,15 @@ def _check_fine(name, fine_codes, fine_scales, codes, scales, spec: QuantSpec):
 
 
 def _check_sinks(name, head, offset, B, Hkv, dim, device):
-    """Validate fp sinks and a centered spec's offset; ``(head, offset)``, None where absent
-    (an offset of no rows, in a cache whose first append fixed none, reads as absent)."""
+    """Validate fp sinks and a centered spec's offset; ``(head, offset)``, None where absent. Either
+    with no rows (a cache whose first append took none) reads as absent: decode blocks then skip
+    the head's masked loads and the offset's add."""
     if head is not None:
         if head.dim() != 4 or tuple(head.shape[:2]) != (B, Hkv) or head.shape[3] != dim or not head.is_floating_point():
             raise ValueError(f"{name}_head must be float [{B}, {Hkv}, S_h, {dim}], got {head.dtype} {list(head.shape)}")
         if head.device != device:
             raise ValueError(f"{name}_head is on {head.device}, q on {device}; all must share a device")
+        head = head if head.shape[2] else None
     if offset is not None:
         rows = offset.shape[2] if offset.dim() == 4 else -1
         if tuple(offset.shape) != (B, Hkv, rows, dim) or rows not in (0, 1):
