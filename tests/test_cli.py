@@ -43,3 +43,14 @@ def test_help_without_a_complete_subcommand_lists_the_choices(command, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert ("append" in out) if command else ("coverage" in out)
+
+
+def test_demo_reports_bytes_counted_and_only_generated_tokens(capsys):
+    torch._dynamo.reset()
+    assert main(["demo", "--prompt-tokens", "70", "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    fp_bytes, kv4_bytes, ratio = re.search(r"fp16 ([\d,]+) bytes -> kv4 ([\d,]+) bytes \((\S+)x", out).groups()
+    assert float(ratio) == pytest.approx(int(kv4_bytes.replace(",", "")) / int(fp_bytes.replace(",", "")), abs=1e-3)
+    assert float(ratio) < 0.35
+    assert re.search(r"before the first difference: [0-6] of 6 ", out)  # the 70 prompt tokens are not counted
+    assert re.search(r"model.layers.1.self_attn +sdpa +decode +int4", out)
