@@ -104,6 +104,7 @@ def kv4(
     v_sinks: int | None = None,
     k_center: bool | None = None,
     v_center: bool | None = None,
+    k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
     debug_dir: str | None = None,
@@ -126,6 +127,10 @@ def kv4(
     ``k_center``/``v_center`` quantize K/V minus a fixed per-(sequence, head) offset, the mean of
     the first tokens (symmetric per-token schemes without a window; static caches keep neither;
     default: the default's where the scheme allows, else off).
+    ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
+    unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
+    in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
+    layers keeps the spec of the first layer that reads it.
     ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
@@ -141,24 +146,39 @@ def kv4(
 
     k_plain = k_scheme == "token" and not window  # per-token groups without a window
     v_plain = v_scheme == "token" and not window
+    k = QuantSpec(
+        bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
+        window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
+        refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
+        center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
+    )
     config = KVConfig(
-        k=QuantSpec(
-            bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
-            window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
-            refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
-            center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
-        ),
+        k=k,
         v=QuantSpec(
             bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
             window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
             refine=default(refine, _DEFAULT.v.refine, v_plain), sinks=default(v_sinks, _DEFAULT.v.sinks, v_plain),
             center=default(v_center, _DEFAULT.v.center, v_plain and v_symmetric),
         ),
+        k_layers=_k_layers(k, k_layer_bits or {}),
         inner=inner,
         debug=debug,
         debug_dir=debug_dir,
     )
     return rewrite_then(_inner(config.inner), config)
+
+
+def _k_layers(k: QuantSpec, bits_by_layer: dict[int, int]) -> tuple[tuple[int, QuantSpec], ...]:
+    for layer in bits_by_layer:
+        if type(layer) is not int or layer < 0:
+            raise ValueError(f"k_layer_bits: layer {layer!r} is not a layer index (an int >= 0)")
+    layers = []
+    for layer, bits in sorted(bits_by_layer.items()):
+        try:
+            layers.append((layer, dataclasses.replace(k, bits=bits)))
+        except ValueError as why:
+            raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
+    return tuple(layers)
 
 
 def kv4_backend(gm: torch.fx.GraphModule, example_inputs, **compile_options):

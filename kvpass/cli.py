@@ -1,4 +1,4 @@
-"""``kvpass`` command line: demo, explain, estimate, eval, bench."""
+"""``kvpass`` command line: demo, explain, estimate, eval, coverage, sensitivity, bench."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "estimate": ("kvpass.estimate", "KV-cache bytes of a model at given contexts and batch sizes"),
     "eval": ("kvpass.eval", "streaming perplexity and greedy agreement on a real model"),
     "coverage": ("kvpass.coverage", "support matrix over transformers' causal-LM architectures"),
+    "sensitivity": ("kvpass.sensitivity", "what int4 keys cost in each layer of a real model, one layer at a time"),
 }
 BENCHMARKS = {
     "memory": ("kvpass.bench.memory", "stored KV bytes and peak memory against context length"),

@@ -232,10 +232,18 @@ class KVConfig:
     # Chosen by measured streaming perplexity on SmolLM2 and Gemma 3 (docs/eval.md, docs/design.md).
     k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True)
     v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+    # K specs for chosen layers, as (layer index, spec) pairs: a layer's index is the last number
+    # in its attention module's path (11 for model.layers.11.self_attn).
+    k_layers: tuple[tuple[int, QuantSpec], ...] = ()
     inner: str = "eager"
     # Log the graph diff and site table for every compiled graph; a folder also saves them.
     debug: bool = False
     debug_dir: str | None = None
+
+    def for_layer(self, layer: int | None) -> KVConfig:
+        """The settings of the attention in layer ``layer`` (None: not known): K's spec from ``k_layers``."""
+        k = dict(self.k_layers).get(layer)
+        return self if k is None else dataclasses.replace(self, k=k, k_layers=())
 
     def __post_init__(self):
         _check_choice("inner", self.inner, INNER_COMPILERS)

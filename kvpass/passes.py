@@ -163,6 +163,12 @@ def _module_path(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L['args'][0].", "")
 
 
+def _layer_index(module: str) -> int | None:
+    """The last number in a module path: 11 for ``model.layers.11.self_attn`` (``KVConfig.k_layers``)."""
+    numbers = [part for part in module.split(".") if part.isdigit()]
+    return int(numbers[-1]) if numbers else None
+
+
 def _is_empty_tensor_ctor(node) -> bool:
     return (
         isinstance(node, fx.Node)
@@ -1075,9 +1081,10 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     reports, matched, unmatched = [], [], []
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
+        site_config = config.for_layer(_layer_index(module))
         try:
             attn = ATTENTION_FORMS[form][1](node)
-            matched.append((index, module, form, attn, *_match_cache(attn, config)))
+            matched.append((index, module, form, attn, site_config, *_match_cache(attn, site_config)))
         except NoMatch as why:
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
             unmatched.append((reports[-1], node))
@@ -1089,15 +1096,23 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         for write in (k, v):
             shared.pending[write.node] += 1
             site_readers.setdefault(write.node, set()).add(write.reader)
-    for index, module, form, attn, k, v in matched:
+    # A cache read by several layers' sites is stored once, with the settings of the first.
+    owners: dict[fx.Node, KVConfig] = {}
+    for index, module, form, attn, site_config, k, v in matched:
         notes = []
+        if config.k_layers and _layer_index(module) is None:
+            notes.append(f"no layer index in module path {module!r}: K has the settings for every layer")
+        stored_config = owners.setdefault(k.node, site_config)
+        if stored_config.k != site_config.k:
+            notes.append(f"K cache {k.node.name} is shared with an earlier layer and keeps its K spec {stored_config.k.tag}")
+        site_config = stored_config
         for write, role in ((k, "K"), (v, "V")):
             write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]
             if write.fp_readers:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
                 log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
-        phase = _rewrite_site(graph, attn, k, v, config, shared)
+        phase = _rewrite_site(graph, attn, k, v, site_config, shared)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
     _rewrite_latent_caches(graph, config, shared, unmatched)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -86,8 +87,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
         prefixes = []
         for x, spec in ((key_states, k_spec), (value_states, v_spec)):
-            takes = spec.takes_prefix(x.shape[2])
-            prefixes.append((spec.sinks if takes else 0, center_offset(x, spec) if spec.center and takes else None))
+            takes = spec is not None and spec.takes_prefix(x.shape[2])
+            prefixes.append((spec.sinks, center_offset(x, spec) if spec.center else None) if takes else (0, None))
         state.update(seen=0, prefixes=prefixes)
     state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
@@ -100,7 +101,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         sinks, offset = prefix
         held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
         first = max(start, held)
-        if stop <= first:
+        if spec is None or stop <= first:
             return full
         # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens.
         stored = quantize_dequantize(full[:, :, first - held : stop], spec, offset, sinks=held)
@@ -111,12 +112,20 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
 
 
 class SimulatedKVCache(DynamicCache):
-    def __init__(self, config, k_spec: QuantSpec, v_spec: QuantSpec, fp_tokens: FpTokens | None = None):
+    """``k_spec``/``v_spec``: how K/V are stored (None: exact); ``layers``: the indices of the cache
+    layers simulated (default: every attention layer), the others exact."""
+
+    def __init__(
+        self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
+        layers: Collection[int] | None = None,
+    ):  # fmt: skip
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
-            if k_spec.window != v_spec.window:
+            windows = {spec.window for spec in (k_spec, v_spec) if spec is not None}
+            if len(windows) > 1:
                 raise ValueError(f"K and V windows differ ({k_spec.window}, {v_spec.window}); pass fp_tokens")
-            fp_tokens = FpTokens(window=k_spec.window, flush=WINDOW_BLOCK) if k_spec.window else FpTokens()
-        for layer in self.layers:
-            if isinstance(layer, DynamicLayer):
+            window = windows.pop() if windows else 0
+            fp_tokens = FpTokens(window=window, flush=WINDOW_BLOCK) if window else FpTokens()
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
                 layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens, {})

@@ -211,3 +211,67 @@ def test_second_plane_adds_at_most_two_graphs_to_a_generate(prompt, graphs):
         model.generate(_ids(prompt), max_new_tokens=30, do_sample=False)
         counts.append(len(backend.graphs))
     assert counts == [3, graphs]
+
+
+@torch.no_grad()
+def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
+    model = kv_heavy_llama()
+    ids = _ids(70)
+    caches = {}
+    for name, backend in [("default", kvpass.kv4()), ("k8", kvpass.kv4(k_bits=8)), ("mixed", kvpass.kv4(k_layer_bits={0: 8}))]:
+        torch._dynamo.reset()
+        step = torch.compile(model, backend=backend)
+        out = step(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        for token in (5, 9):  # decode steps, fed the same tokens in every run
+            out = step(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        caches[name] = out.past_key_values.layers
+        assert all(site.rewritten for g in backend.graphs for site in g.sites)
+    mixed, default, k8 = caches["mixed"], caches["default"], caches["k8"]
+    assert [layer.keys.spec.bits for layer in mixed] == [8, 4]
+    assert [layer.values.spec.bits for layer in mixed] == [4, 4]
+    # Layer 0 sees the same inputs in every run: its keys are k8's, bit for bit, its values the default's.
+    for got, want in [(mixed[0].keys, k8[0].keys), (mixed[0].values, default[0].values)]:
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+        assert torch.equal(got.dequantize(), want.dequantize())
+
+
+def test_k_layer_bits_names_a_bad_layer_or_bits():
+    with pytest.raises(ValueError, match=r"k_layer_bits: layer '1' is not a layer index"):
+        kvpass.kv4(k_layer_bits={"1": 8})
+    with pytest.raises(ValueError, match=r"k_layer_bits\[3\]: bits must be one of \[2, 4, 8\], got 5"):
+        kvpass.kv4(k_layer_bits={3: 5})
+
+
+def test_layer_index_is_the_last_number_in_the_module_path():
+    assert passes._layer_index("model.layers.11.self_attn") == 11
+    assert passes._layer_index("transformer.h.3.attn") == 3
+    assert passes._layer_index("model.decoder.layers.2.blocks.0.attn") == 0
+    assert passes._layer_index("attn") is None
+
+
+@torch.no_grad()
+def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
+    from transformers import AutoModelForCausalLM
+
+    from kvpass.coverage import tiny_config
+
+    config = tiny_config("gemma3n_text")  # layers 2 and 3 read the caches of layers 0 and 1
+    config.num_hidden_layers, config.num_kv_shared_layers = 4, 2
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.intermediate_size = config.intermediate_size[:1] * 4
+    config.activation_sparsity_pattern = config.activation_sparsity_pattern[:1] * 4
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    torch._dynamo.reset()
+    backend = kvpass.kv4(k_layer_bits={0: 8})
+    step = torch.compile(model, backend=backend)
+    out = step(input_ids=_ids(70), past_key_values=DynamicCache(config=config), use_cache=True)
+    out = step(input_ids=_ids(1), past_key_values=out.past_key_values, use_cache=True)
+    assert [layer.keys.spec.bits for layer in out.past_key_values.layers[:2]] == [8, 4]
+    decode = backend.graphs[-1]
+    reads = [line for line in decode.after.splitlines() if "kv4_sdpa(" in line and "layers_0_keys" in line]
+    assert len(reads) == 2 and all("k_spec = 'int8:" in line for line in reads)  # layers 0 and 2
+    notes = {site.module: site.reason for site in decode.sites}
+    assert "keeps its K spec int8:" in notes["model.layers.2.self_attn"]
+    assert notes["model.layers.0.self_attn"] == ""

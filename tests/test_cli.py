@@ -23,7 +23,7 @@ def test_estimate_reproduces_llama_3_figure(capsys):
     assert "16.00 GiB" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"]])
+@pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"], ["sensitivity"]])
 def test_help_lists_the_subcommands_own_options(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])

@@ -131,6 +131,13 @@ def test_method_names():
     assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
     k, v = kv_eval.parse_method("kv4-kivi").specs
     assert (k.scheme, k.group, k.rotate, v.scheme, v.group, v.rotate) == ("channel", 64, False, "token", 128, False)
+    # -kB@L.L: K bits B in layers L, the rest the default; bytes then depend on the model's layers
+    mixed = kv_eval.parse_method("kv4-k8@11.15")
+    assert mixed.backend_kwargs == {"k_layer_bits": {11: 8, 15: 8}}
+    assert mixed.specs == (KVConfig().k, KVConfig().v) and mixed.fp16_ratio(4096, 64) is None
+    assert mixed.scheme.endswith(", K int8 in layers 11, 15")
+    with pytest.raises(ValueError, match="only in the real backend"):
+        kv_eval.parse_method("sim-kv4-k8@11")
     with pytest.raises(ValueError):
         kv_eval.parse_method("kv4-g48")
     with pytest.raises(ValueError):

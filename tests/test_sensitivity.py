@@ -1,0 +1,54 @@
+"""Per-layer key sensitivity: the one-layer simulation it rests on, and the command."""
+
+import math
+
+import torch
+from transformers import DynamicCache
+
+from kvpass import sensitivity
+from kvpass.config import KVConfig
+from kvpass.eval import streaming_nll
+from kvpass.models_zoo import build
+from kvpass.simulate import SimulatedKVCache
+from tests.helpers import kv_heavy_llama
+
+K = KVConfig().k
+
+
+def test_simulating_one_layers_keys_leaves_every_other_tensor_exact():
+    config = kv_heavy_llama().config
+    g = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(1, 2, 80, 64, generator=g) for _ in range(2)]
+    step = [torch.randn(1, 2, 1, 64, generator=g) for _ in range(2)]
+    one = SimulatedKVCache(config, K, None, layers={0})
+    every = SimulatedKVCache(config, K, KVConfig().v)
+    for cache in (one, every):
+        for layer in (0, 1):
+            cache.update(*prompt, layer)
+    exact_k, exact_v = (torch.cat([p, s], dim=2) for p, s in zip(prompt, step))
+    k0, v0 = one.update(*step, 0)
+    k1, v1 = one.update(*step, 1)
+    assert torch.equal(k0, every.update(*step, 0)[0])  # layer 0's K read back as kv4 stores it
+    assert not torch.equal(k0, exact_k)
+    assert torch.equal(v0, exact_v) and torch.equal(k1, exact_k) and torch.equal(v1, exact_v)
+
+
+def test_layer_costs_score_each_attention_layer_alone():
+    model = kv_heavy_llama()
+    ids = torch.randint(2, 256, (1, 96), generator=torch.Generator().manual_seed(1))
+    rows = sensitivity.layer_costs(model, ids, 32, K)
+    fp_nll, count, _ = streaming_nll(sensitivity._Run(model, DynamicCache), ids, 32)
+    assert [r["layer"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["fp_ppl"] == math.exp(fp_nll / count)
+        assert r["ppl"] != r["fp_ppl"]  # int4 keys change the scores
+        assert math.isclose(r["delta_pct"], 100 * (r["ppl"] / r["fp_ppl"] - 1))
+    worst = max(rows, key=lambda r: r["delta_pct"])
+    assert sensitivity.costly_layers(rows, worst["delta_pct"] - 1e-9) == [worst["layer"]]
+
+
+def test_attention_layers_leave_out_recurrent_ones():
+    config = build("lfm2").config
+    want = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert 0 < len(want) < config.num_hidden_layers
+    assert sensitivity.attention_layers(config) == want
