@@ -1104,7 +1104,8 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             notes.append(f"no layer index in module path {module!r}: K has the settings for every layer")
         stored_config = owners.setdefault(k.node, site_config)
         if stored_config.k != site_config.k:
-            notes.append(f"K cache {k.node.name} is shared with an earlier layer and keeps its K spec {stored_config.k.tag}")
+            shared_spec = stored_config.k.tag
+            notes.append(f"K cache {k.node.name} is shared with an earlier layer and keeps its K spec {shared_spec}")
         site_config = stored_config
         for write, role in ((k, "K"), (v, "V")):
             write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]

@@ -218,7 +218,8 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
     model = kv_heavy_llama()
     ids = _ids(70)
     caches = {}
-    for name, backend in [("default", kvpass.kv4()), ("k8", kvpass.kv4(k_bits=8)), ("mixed", kvpass.kv4(k_layer_bits={0: 8}))]:
+    backends = {"default": kvpass.kv4(), "k8": kvpass.kv4(k_bits=8), "mixed": kvpass.kv4(k_layer_bits={0: 8})}
+    for name, backend in backends.items():
         torch._dynamo.reset()
         step = torch.compile(model, backend=backend)
         out = step(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
