@@ -80,7 +80,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
-    parser.add_argument("--text", default="kjv", help="kjv (default) or code")
+    parser.add_argument("--text", default="kjv", help="kjv (default), code, or a text file's path")
     parser.add_argument("--context", type=int, default=1024, help="tokens of the text (default 1024)")
     parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (default 64)")
     parser.add_argument("--threshold", type=float, default=0.25,
@@ -102,9 +102,10 @@ def run(args) -> int:
     if args.chunk < 1 or args.context <= args.chunk:
         raise SystemExit(f"need 1 <= --chunk < --context, got chunk {args.chunk}, context {args.context}")
     start = time.perf_counter()
+    text = text_data.load(args.text)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     prefix = tokenizer("", return_tensors="pt").input_ids[0]  # BOS where the tokenizer has one
-    ids = torch.cat([prefix, _tokenize(tokenizer, text_data.load(args.text), args.context)])[: args.context][None]
+    ids = torch.cat([prefix, _tokenize(tokenizer, text, args.context)])[: args.context][None]
     k_spec = KVConfig().k
     rows = layer_costs(model, ids, args.chunk, k_spec, progress=not args.no_progress)
     layers = costly_layers(rows, args.threshold)
