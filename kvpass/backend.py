@@ -130,7 +130,8 @@ def kv4(
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
-    layers keeps the spec of the first layer that reads it.
+    layers keeps the spec of the first layer that reads it, and a static cache allocated before
+    compiling (``StaticKVCache``) the specs it was made with (the site table says so).
     ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``

@@ -257,7 +257,7 @@ def cache_bytes(cache) -> int | None:
     return total
 
 
-def _progress(total, desc, enabled):
+def progress_bar(total, desc, enabled):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False, file=sys.stderr)
@@ -282,7 +282,7 @@ def streaming_nll(
     nll = torch.zeros((), dtype=torch.float64)
     scored = 0
     prev_last = None
-    bar = _progress(n, desc, progress)
+    bar = progress_bar(n, desc, progress)
     for start in range(0, n, chunk):
         piece = ids[:, start : start + chunk]
         out = runner.step(input_ids=piece, past_key_values=cache, use_cache=True)
@@ -313,7 +313,7 @@ def greedy(runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: boo
     cache = runner.new_cache()
     out = runner.step(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
-    bar = _progress(new_tokens, desc, progress)
+    bar = progress_bar(new_tokens, desc, progress)
     bar.update(1)
     for _ in range(new_tokens - 1):
         out = runner.step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
@@ -529,7 +529,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _tokenize(tokenizer, text: str, needed: int) -> torch.Tensor:
+def tokenize_text(tokenizer, text: str, needed: int) -> torch.Tensor:
     """Token ids of (a prefix of) ``text`` with at least ``needed`` tokens when the text has them."""
     chars = max(needed * 8, 20_000)
     while True:
@@ -564,7 +564,7 @@ def run(args) -> int:
     sources = {name: (lambda n=name: text_data.load(n)) for name in args.texts.split(",") if name.strip()}
     for path in args.text_file:
         sources[Path(path).name] = lambda p=path: text_data.from_file(p)
-    texts = {name: _tokenize(tokenizer, load(), needed) for name, load in sources.items()}
+    texts = {name: tokenize_text(tokenizer, load(), needed) for name, load in sources.items()}
     # What the tokenizer puts before any text (BOS for Gemma; nothing for SmolLM2).
     prefix = tokenizer("", return_tensors="pt").input_ids[0]
 

@@ -896,7 +896,7 @@ def _build_mask(graph: fx.Graph, attn: _Attention) -> None:
 def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> QuantSpec:
     """The buffer ``write`` fills, as int4: allocated so when the graph allocates it."""
     if not _is_buffer_ctor(write.past):
-        return write.past.meta["example_value"].spec  # allocated with its spec by an earlier forward
+        return _static_buffer_spec(write)  # allocated with its spec by an earlier forward
     spec = spec.for_slots
     ctor, val = write.past, _val(write.past)
     with graph.inserting_before(ctor):
@@ -908,6 +908,13 @@ def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> Quan
     graph.erase_node(ctor)
     write.past = packed
     return spec
+
+
+def _static_buffer_spec(write: _CacheWrite) -> QuantSpec | None:
+    """The spec of a static cache's int4 buffer allocated before this graph (None: any other write)."""
+    if not _is_static(write) or _is_buffer_ctor(write.past):
+        return None
+    return getattr(_val(write.past), "spec", None)
 
 
 def _static_read(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
@@ -1107,6 +1114,10 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             shared_spec = stored_config.k.tag
             notes.append(f"K cache {k.node.name} is shared with an earlier layer and keeps its K spec {shared_spec}")
         site_config = stored_config
+        held = _static_buffer_spec(k)
+        if held is not None and held != site_config.k.for_slots:
+            notes.append(f"K's static buffer {k.past.name} was allocated with {held.tag} and keeps it, "
+                         f"not these settings' {site_config.k.for_slots.tag}")  # fmt: skip
         for write, role in ((k, "K"), (v, "V")):
             write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]
             if write.fp_readers:

@@ -46,7 +46,7 @@ def layer_costs(model, ids: torch.Tensor, chunk: int, k_spec: QuantSpec, progres
     ``k_spec``, and its change over the unquantized run in percent."""
     from transformers import DynamicCache
 
-    from kvpass.eval import _progress, streaming_nll
+    from kvpass.eval import progress_bar, streaming_nll
     from kvpass.simulate import SimulatedKVCache
 
     def perplexity(new_cache):
@@ -58,7 +58,7 @@ def layer_costs(model, ids: torch.Tensor, chunk: int, k_spec: QuantSpec, progres
     types = getattr(config, "layer_types", None)
     layers = attention_layers(config)
     rows = []
-    bar = _progress(len(layers), "layers", progress)
+    bar = progress_bar(len(layers), "layers", progress)
     for layer in layers:
         ppl = perplexity(lambda: SimulatedKVCache(config, k_spec, None, layers={layer}))
         rows.append(dict(layer=layer, type=types[layer] if types else "attention", ppl=ppl, fp_ppl=fp,
@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from kvpass import text_data
-    from kvpass.eval import _tokenize, machine
+    from kvpass.eval import machine, tokenize_text
     from kvpass.models_zoo.real_model import load_model
 
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
@@ -105,7 +105,7 @@ def run(args) -> int:
     text = text_data.load(args.text)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     prefix = tokenizer("", return_tensors="pt").input_ids[0]  # BOS where the tokenizer has one
-    ids = torch.cat([prefix, _tokenize(tokenizer, text, args.context)])[: args.context][None]
+    ids = torch.cat([prefix, tokenize_text(tokenizer, text, args.context)])[: args.context][None]
     k_spec = KVConfig().k
     rows = layer_costs(model, ids, args.chunk, k_spec, progress=not args.no_progress)
     layers = costly_layers(rows, args.threshold)

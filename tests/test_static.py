@@ -56,6 +56,19 @@ def test_compiled_generate_rewrites_static_decode_and_matches_eager():
     assert decode_sites and all(site.rewritten and site.phase == "static" for site in decode_sites)
 
 
+def test_a_static_buffer_allocated_before_compiling_keeps_its_spec_and_says_so():
+    torch._dynamo.reset()
+    model = build("llama")
+    backend = kvpass.kv4(k_layer_bits={1: 8})
+    model.compile(backend=backend)
+    out = model.generate(_prompt(), max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                         past_key_values=StaticKVCache(model.config, max_cache_len=64))  # fmt: skip
+    assert [layer.keys.spec.bits for layer in out.past_key_values.layers] == [4, 4]  # as StaticKVCache made them
+    notes = {site.module: site.reason for graph in backend.graphs for site in graph.sites}
+    assert notes["model.layers.0.self_attn"] == ""
+    assert "allocated with int4:token:64:rot:mse and keeps it, not these settings' int8:" in notes["model.layers.1.self_attn"]
+
+
 def test_generate_compile_route_with_a_static_kv_cache():
     torch._dynamo.reset()
     model = build("llama")
