@@ -1064,6 +1064,8 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if _has_ancestor(site, reads):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
+            if config.for_layer(_layer_index(report.module)) is not config:
+                report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
 
 

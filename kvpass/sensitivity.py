@@ -114,7 +114,8 @@ def run(args) -> int:
           f"{args.text} text, {ids.shape[1]} tokens in chunks of {args.chunk}; {time.perf_counter() - start:.0f} s")
     if layers:
         print(f"layers over +{args.threshold}%: {layers}; "
-              f"try kvpass.kv4(k_layer_bits={{{', '.join(f'{i}: 8' for i in layers)}}})")
+              f"try kvpass.kv4(k_layer_bits={{{', '.join(f'{i}: 8' for i in layers)}}}), and measure it with all "
+              f"layers together: kvpass eval --model {args.model} --methods fp,kv4,kv4-k8@{'.'.join(map(str, layers))}")
     else:
         print(f"no layer costs more than +{args.threshold}%")
     if args.json:

@@ -153,10 +153,7 @@ def test_form_rewritten_and_matches_reference(name):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@torch.no_grad()
-def test_mla_latent_cache_is_int4_and_read_dequantized():
-    """DeepSeek-V3 caches a compressed latent and projects K and V from it after the read."""
-    torch._dynamo.reset()
+def _tiny_deepseek_v3():
     config = transformers.DeepseekV3Config(
         **COMMON, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
@@ -165,7 +162,14 @@ def test_mla_latent_cache_is_int4_and_read_dequantized():
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+@torch.no_grad()
+def test_mla_latent_cache_is_int4_and_read_dequantized():
+    """DeepSeek-V3 caches a compressed latent and projects K and V from it after the read."""
+    torch._dynamo.reset()
+    model = _tiny_deepseek_v3()
     ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(0))
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
@@ -186,6 +190,21 @@ def test_mla_latent_cache_is_int4_and_read_dequantized():
     for i, logits in enumerate(got):
         expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_k_layer_bits_on_a_latent_cache_say_they_do_not_apply():
+    torch._dynamo.reset()
+    model = _tiny_deepseek_v3()
+    backend = kvpass.kv4(k_layer_bits={1: 8})
+    step = torch.compile(model, backend=backend)
+    cache = DynamicCache(config=model.config)
+    step(input_ids=torch.arange(3, 83)[None], past_key_values=cache, use_cache=True)
+    step(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+    assert {t.spec.bits for layer in cache.layers for t in (layer.keys, layer.values)} == {4}
+    latent = {site.module: site.reason for site in backend.graphs[-1].sites}
+    assert latent["model.layers.1.self_attn"].endswith("so this layer's K bits do not apply")
+    assert "K bits" not in latent["model.layers.0.self_attn"]
 
 
 class _CacheReader(torch.nn.Module):
