@@ -509,7 +509,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
-                             "[-ksN K fp sinks][-kc K offset], and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
+                             "[-ksN K fp sinks][-kc K offset][-kB@L.L K bits B in layers L, not sim-], "
+                             "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
