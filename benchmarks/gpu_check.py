@@ -8,6 +8,7 @@ printing every case.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -28,6 +29,7 @@ ROTATED = (QuantSpec(4, "token", 128, rotate=True), QuantSpec(4, "token", 128, r
 INT2_INT8 = (QuantSpec(2, "channel", 16), QuantSpec(8, "token", 32))
 # Clipped scales (negative scales, code -8), a second code plane; K also fp sinks and an offset.
 DEFAULT = (KVConfig().k, KVConfig().v)
+K8_LAYER = (dataclasses.replace(DEFAULT[0], bits=8), DEFAULT[1])  # a layer kv4(k_layer_bits={i: 8}) names
 
 QUANTIZE_CASES = [
     (QuantSpec(4, "token", 128), (3, 8, 1000, 128)),
@@ -54,6 +56,7 @@ ATTENTION_CASES = [
     (1, 14, 2, 64, 4000, 96, torch.float16, KIVI, "causal"),
     (2, 32, 8, 1, 4095, 128, torch.bfloat16, DEFAULT, "pad"),
     (1, 16, 4, 33, 1000, 64, torch.float16, DEFAULT, "chunk"),
+    (2, 8, 1, 1, 4095, 256, torch.bfloat16, K8_LAYER, "pad"),
 ]
 
 

@@ -5,6 +5,7 @@ Quantization must be bit-exact. Attention is compared with tolerances per dtype 
 writes fails the comparison.
 """
 
+import dataclasses
 import os
 
 # The interpreter is chosen when Triton and the kernels are imported, so set it first.
@@ -286,19 +287,21 @@ SINKS_CENTERED = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=T
 
 
 @pytest.mark.parametrize(
-    "past, q_len, causal, dtype",
-    [(3, 1, False, torch.float32), (40, 1, False, torch.float16), (70, 1, False, torch.float32),
-     (300, 4, True, torch.float32), (1100, 1, False, torch.bfloat16)],
+    "past, q_len, causal, dtype, k_bits",
+    [(3, 1, False, torch.float32, 4), (40, 1, False, torch.float16, 4), (70, 1, False, torch.float32, 4),
+     (300, 4, True, torch.float32, 4), (1100, 1, False, torch.bfloat16, 4),
+     (70, 1, False, torch.float32, 8), (300, 4, True, torch.float16, 8)],  # int8 K, int4 V: k_layer_bits
 )  # fmt: skip
-def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype):
+def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype, k_bits):
     """K with fp sinks and quantized minus an offset (``sinks``, ``center``), V refined only:
     positions shift by the sinks in K and not in V, and both extras are read. A first append
     under 64 tokens takes neither: an empty head and an offset of no rows."""
     from kvpass.packed import PackedKV
 
+    k_spec = dataclasses.replace(SINKS_CENTERED, bits=k_bits)
     gen = torch.Generator().manual_seed(past)
     shared = 6 * torch.randn(2, 2, 1, 64, generator=gen)  # a mean direction all keys share
-    k = PackedKV.from_float((shared + torch.randn(2, 2, past, 64, generator=gen)).to(dtype), SINKS_CENTERED)
+    k = PackedKV.from_float((shared + torch.randn(2, 2, past, 64, generator=gen)).to(dtype), k_spec)
     v = PackedKV.from_float(torch.randn(2, 2, past, 64, generator=gen).to(dtype), REFINED)
     for step in (30, 1):
         k = k.append((shared + torch.randn(2, 2, step, 64, generator=gen)).to(dtype))
@@ -311,12 +314,12 @@ def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype):
     new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
     args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
     extra = (k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, None, None)
-    out = _check(args, None, causal, (SINKS_CENTERED, REFINED), dtype, fine=extra)
+    out = _check(args, None, causal, (k_spec, REFINED), dtype, fine=extra)
     if dtype == torch.float32 and not causal and sinks:  # the sinks and the offset are read
         for dropped in (4, 5):
             other = list(extra)
             other[dropped] = torch.zeros_like(other[dropped])
-            moved = reference.attention(*args, None, 0.125, causal, SINKS_CENTERED, REFINED, 0.0, *other)
+            moved = reference.attention(*args, None, 0.125, causal, k_spec, REFINED, 0.0, *other)
             assert (out - moved).abs().max() > 100 * TOLERANCE[dtype]["atol"]
 
 
