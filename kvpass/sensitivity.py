@@ -4,7 +4,8 @@ For each attention layer, the streaming perplexity of ``kvpass eval`` with only 
 stored as kv4 stores it (the simulation of :mod:`kvpass.simulate`; every other layer, and every
 V, exact), against the unquantized run. Int4 keys cost a model little in most layers and most
 of its loss in a few (Gemma 3 270M: 5 of 18 layers, ``docs/eval.md``); those few are the ones
-worth storing in int8, through ``kvpass.kv4(k_layer_bits={layer: 8, ...})``.
+worth storing in int8, through ``kvpass.kv4(k_layer_bits={layer: 8, ...})``. (A model whose cache
+holds an MLA latent stores it with V's settings, so per-layer K bits do not apply to it.)
 """
 
 from __future__ import annotations
