@@ -185,7 +185,7 @@ class PackedKV(torch.Tensor):
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
         held = _head_len(head) + self.codes.shape[2] + new.shape[2]
-        n_fine = self.spec.refined_tokens(held, _took_sinks(head, offset))
+        n_fine = self.spec.refined_tokens(held, reference.took_sinks(_head_len(head), offset))
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
@@ -409,13 +409,6 @@ def _head_len(head: torch.Tensor | None) -> int:
     return 0 if head is None else head.shape[2]
 
 
-def _took_sinks(head: torch.Tensor | None, offset: torch.Tensor | None) -> bool:
-    """Whether a cache took fp sinks, which its second plane pays for. A sliding window may have
-    evicted them since; the offset it keeps says so, and the plane stays as short as it was (it
-    cannot regain rows), whichever step the eviction came at."""
-    return head is not None and (head.shape[2] > 0 or reference.offset_or_none(offset) is not None)
-
-
 def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
     """The second code plane of ``t``'s quantized tokens ``[start, stop)`` (None without one), in a
     cache of those tokens after the sinks ``head``.
@@ -428,7 +421,7 @@ def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
     fine_start = t.codes.shape[2] - t.fine_codes.shape[2]
     # sym_max instead of max keeps symbolic lengths free of guards.
     hi = torch.sym_max(stop - fine_start, 0)
-    kept = t.spec.refined_tokens(_head_len(head) + stop - start, _took_sinks(head, t.offset))
+    kept = t.spec.refined_tokens(_head_len(head) + stop - start, reference.took_sinks(_head_len(head), t.offset))
     lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - kept)
     return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
 

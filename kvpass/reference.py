@@ -441,6 +441,13 @@ def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
     return offset if offset is not None and offset.shape[2] else None
 
 
+def took_sinks(n_head: int, offset: torch.Tensor | None) -> bool:
+    """Whether a cache took fp sinks, which its second plane pays for (:meth:`QuantSpec.refined_tokens`).
+    A sliding window may have evicted them since; the offset it keeps says so, and the plane stays as
+    short as it was (it cannot regain rows), whichever step the eviction came at."""
+    return n_head > 0 or offset_or_none(offset) is not None
+
+
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Stored-domain tokens minus a centered spec's ``offset``, in fp32 (unchanged without one)."""
     offset = offset_or_none(offset)
@@ -505,8 +512,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor |
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
     codes, scales = quantize(quantized, spec)
-    # A cache pays for sinks it took while it holds them or their offset (kvpass.packed._took_sinks).
-    n_fine = spec.refined_tokens(n_head + quantized.shape[2], bool(n_head) or offset_or_none(offset) is not None)
+    n_fine = spec.refined_tokens(n_head + quantized.shape[2], took_sinks(n_head, offset))
     fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
     head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None
     return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine, head=head, offset=offset)
