@@ -22,6 +22,13 @@ CENTER_TOKENS = 64
 # many tokens: on a shorter cache their fixed bytes outweigh what they save, and a few tokens fix a
 # poor offset. A cache started by decode steps or a short prompt has neither.
 PREFIX_MIN_TOKENS = 64
+# Heads narrower than this (test-size models) spend a bit or more per value on fp16 scales: with a
+# second code plane, fp sinks or an offset on top, a short cache would store more than 0.35x fp16,
+# so they keep plain groups (:meth:`QuantSpec.for_head_dim`).
+MIN_EXTRAS_HEAD_DIM = 32
+# Of those, heads whose own channels make per-token groups narrower than this (head_dim 8, 12, 24)
+# would spend 2 bits or more per value on scales: their groups span whole heads instead.
+MIN_HEAD_GROUP = 16
 SCHEMES = ("channel", "token")
 INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
@@ -69,6 +76,11 @@ class QuantSpec:
     back, so the codes spend their levels on what differs between tokens, not on a direction all
     of them share (Gemma 3's keys).
 
+    ``span_heads=True`` (per-token scheme) makes a token's group all channels of
+    ``heads_per_group(H, D)`` consecutive heads instead (scale shape ``[B, H // n, S, 1]``): for
+    heads so narrow that their own groups would be mostly scale (:meth:`for_head_dim`). The
+    torch reference stores and reads it on every device.
+
     Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more
     (:meth:`takes_prefix`). A cache that took sinks pays for them with ``sink_plane_cost`` (15)
     fewer refined tokens for as long as it holds them or its offset, so from 128 tokens on it
@@ -96,6 +108,8 @@ class QuantSpec:
     sinks: int = 0
     # Quantize minus a fixed per-(sequence, head) offset, the mean of the first tokens.
     center: bool = False
+    # Per-token groups over whole heads, several of them when they fit in ``group`` values.
+    span_heads: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -130,6 +144,10 @@ class QuantSpec:
                 )
         if self.center and not self.symmetric:
             raise ValueError("center=True needs symmetric=True; an asymmetric grid's zero points already shift each group")
+        if not isinstance(self.span_heads, bool):
+            raise ValueError(f"span_heads must be True or False, got {self.span_heads!r}")
+        if self.span_heads and self.scheme != "token":
+            raise ValueError(f"span_heads=True needs scheme='token' (groups of a token's channels), got {self.scheme!r}")
         if self.window and self.scheme != "token":
             raise ValueError(
                 f"window={self.window} needs scheme='token'; per-channel groups already keep the "
@@ -139,7 +157,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -151,11 +169,12 @@ class QuantSpec:
             + (f":r{self.refine}" if self.refine else "")
             + (f":s{self.sinks}" if self.sinks else "")
             + (":ctr" if self.center else "")
+            + (":heads" if self.span_heads else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -166,7 +185,7 @@ class QuantSpec:
             spec = cls(
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
-                sinks=tokens("s"), center="ctr" in flags,
+                sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -197,6 +216,22 @@ class QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
         is written, with no fp window, no second code plane, no fp sinks and no offset."""
         return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False)
+
+    def for_head_dim(self, head_dim: int) -> QuantSpec:
+        """This spec for heads of ``head_dim`` channels: below ``MIN_EXTRAS_HEAD_DIM`` channels
+        without its second code plane, sinks and offset, and with groups spanning whole heads where
+        its own would be narrower than ``MIN_HEAD_GROUP``."""
+        if self.scheme != "token" or head_dim >= MIN_EXTRAS_HEAD_DIM:
+            return self
+        span_heads = self.span_heads or self.token_group(head_dim) < MIN_HEAD_GROUP
+        return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads)
+
+    def heads_per_group(self, heads: int, head_dim: int) -> int:
+        """KV heads whose channels of one token form one group: 1, or with ``span_heads`` as many as
+        fit in ``group`` values (at least one) and divide ``heads``."""
+        if not self.span_heads:
+            return 1
+        return max(n for n in range(1, heads + 1) if heads % n == 0 and n * head_dim <= max(self.group, head_dim))
 
     def takes_prefix(self, first: int) -> bool:
         """Whether a first append of ``first`` tokens fixes this spec's sinks and offset."""

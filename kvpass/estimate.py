@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
-from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, KVConfig
+from kvpass.config import MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, KVConfig, QuantSpec
 
 logger = logging.getLogger("kvpass")
 
@@ -110,9 +109,18 @@ def element_bits(
         return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
     return (
-        4 + _group_bits(_DEFAULT.k) / _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim),
-        4 + _group_bits(_DEFAULT.v) / _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim),
+        4 + _group_bits(k_spec) / _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim),
+        4 + _group_bits(v_spec) / _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim),
+    )
+
+
+def _kv4_specs(sizes: KVSizes, k_group: int, v_group: int) -> tuple[QuantSpec, QuantSpec]:
+    """The default K and V specs with these groups, as kv4 stores heads of these sizes."""
+    return (
+        dataclasses.replace(_DEFAULT.k, group=k_group).for_head_dim(sizes.k_head_dim),
+        dataclasses.replace(_DEFAULT.v, group=v_group).for_head_dim(sizes.v_head_dim),
     )
 
 
@@ -121,9 +129,11 @@ def _group_bits(spec) -> int:
     return SCALE_BITS * (1 if spec.symmetric else 2)
 
 
-def _scale_span(scheme: str, group: int, head_dim: int) -> int:
-    """Elements sharing one scale: channels of a token, or tokens of a channel."""
-    return math.gcd(group, head_dim) if scheme == "token" else group
+def _scale_span(spec: QuantSpec, heads: int, head_dim: int) -> int:
+    """Elements sharing one scale: channels of a token (in one head, or in several), or tokens of a channel."""
+    if spec.scheme != "token":
+        return spec.group
+    return spec.heads_per_group(heads, head_dim) * head_dim if spec.span_heads else spec.token_group(head_dim)
 
 
 def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> float:
@@ -167,10 +177,8 @@ def _kv4_extra_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -
     code plane of its newest tokens, and K's fp16 sinks (beyond the codes they stand for) and
     offset, which a prompt of ``context`` tokens fixes and a sliding window evicts first."""
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
-    specs = (
-        (dataclasses.replace(_DEFAULT.k, group=k_group), sizes.k_head_dim, k_bits),
-        (dataclasses.replace(_DEFAULT.v, group=v_group), sizes.v_head_dim, v_bits),
-    )
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    specs = ((k_spec, sizes.k_head_dim, k_bits), (v_spec, sizes.v_head_dim, v_bits))
     sliding_held = min(context, sizes.window) if sizes.sliding_layers else 0
     fp16_bits = _FIXED_BITS["fp16"]
     total = 0.0
@@ -445,9 +453,16 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         else f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}"
     )
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
-    k_span = _scale_span(_DEFAULT.k.scheme, k_group, sizes.k_head_dim)
-    v_span = _scale_span(_DEFAULT.v.scheme, v_group, sizes.v_head_dim)
-    k_unit = "channels per token" if _DEFAULT.k.scheme == "token" else "tokens per channel"
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    k_span = _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim)
+    v_span = _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
+    k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
+    extras = (
+        f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
+        f"K's first {_DEFAULT.k.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
+        f"{_DEFAULT.k.sink_plane_cost} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens); "
+        if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
+    )
     lines = [
         f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, "
         f"{_plural(sizes.kv_heads, 'KV head')}, {dims}",
@@ -456,11 +471,7 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
             f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element (scale per {k_span} {k_unit}), "
-        f"V {v_bits:g} bits/element (scale per {v_span} channels per token), the newest "
-        f"min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
-        f"K's first {_DEFAULT.k.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
-        f"{_DEFAULT.k.sink_plane_cost} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens); "
-        "fp8/int8 without scales",
+        f"V {v_bits:g} bits/element (scale per {v_span} channels per token), " + extras + "fp8/int8 without scales",
         *sizes.notes,
     ]
     return "\n".join(lines)

@@ -2,10 +2,11 @@
 
 One op name per operation for every device: the FX pass emits these and never branches
 on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
-``kvpass.kernels`` when Triton is importable, else the same reference.
+``kvpass.kernels`` when Triton is importable, else the same reference (which also serves
+specs whose groups span heads, ``QuantSpec.span_heads``: test-size heads only).
 
-A :class:`~kvpass.config.QuantSpec` crosses the op boundary as five scalars
-(``bits, scheme, group, rotate, symmetric``) because custom-op schemas take no
+A :class:`~kvpass.config.QuantSpec` crosses the op boundary as six scalars
+(``bits, scheme, group, rotate, symmetric, span_heads``) because custom-op schemas take no
 dataclasses; the ops that quantize take ``clip`` after them (:func:`codec_args`), the
 ones that only read do not need it (a clipped scale decodes like any other). An asymmetric
 spec's zero points travel inside ``scales`` (a trailing dimension of 2, see
@@ -25,17 +26,22 @@ from kvpass.config import QuantSpec
 log = logging.getLogger("kvpass")
 
 
-SPEC_ARGS = 5  # scalars per QuantSpec in an op's arguments
+SPEC_ARGS = 6  # scalars per QuantSpec in an op's arguments
 
 
-def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool]:
+def spec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool]:
     """What reading a stored ``spec`` needs (``dequantize``, ``attention``)."""
-    return spec.bits, spec.scheme, spec.group, spec.rotate, spec.symmetric
+    return spec.bits, spec.scheme, spec.group, spec.rotate, spec.symmetric, spec.span_heads
 
 
-def codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool]:
+def codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool, bool]:
     """What writing ``spec`` needs (``quantize``, ``write_``): the layout and how scales are chosen."""
     return (*spec_args(spec), spec.clip)
+
+
+def _spec(bits, scheme, group, rotate, symmetric, span_heads, **more) -> QuantSpec:
+    """The :class:`QuantSpec` of :func:`spec_args` (and ``more`` of its fields)."""
+    return QuantSpec(bits, scheme, group, rotate, symmetric, span_heads=span_heads, **more)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,26 +56,33 @@ def _triton_kernels():
         return None
 
 
+def _kernels_for(*specs: QuantSpec):
+    """The Triton kernels, or None where the reference serves these specs (groups over whole heads)."""
+    return None if any(spec.span_heads for spec in specs) else _triton_kernels()
+
+
 # --- quantize --------------------------------------------------------------------------
 
 
 @torch.library.custom_op("kv4::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool,
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
     offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`);
     a centered spec passes its stored-domain ``offset [B, H, 1, D]``."""
-    return reference.encode(x.contiguous(), QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip), offset)
+    return reference.encode(x.contiguous(), _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip), offset)
 
 
-def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool):
+def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool):
     """Empty ``(codes, scales)`` shaped as :func:`quantize` returns them for ``x``."""
     B, H, S, D = x.shape
     codes = x.new_empty((B, H, S, D * bits // 8), dtype=torch.uint8)
-    if scheme == "token":
-        g = QuantSpec(bits, scheme, group, rotate, symmetric).token_group(D)
-        scales_shape = (B, H, S, D // g)
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads)
+    if span_heads:
+        scales_shape = (B, H // spec.heads_per_group(H, D), S, 1)
+    elif scheme == "token":
+        scales_shape = (B, H, S, D // spec.token_group(D))
     else:
         scales_shape = (B, H, S // group, D)
     if not symmetric:
@@ -78,14 +91,14 @@ def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bo
 
 
 @quantize.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
-    return _stored_like(x, bits, scheme, group, rotate, symmetric)
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None):
+    return _stored_like(x, bits, scheme, group, rotate, symmetric, span_heads)
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
-    kernels = _triton_kernels()
-    spec = QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip)
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None):
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
+    kernels = _kernels_for(spec)
     return reference.encode(x.contiguous(), spec, offset, reference.quantize if kernels is None else kernels.quantize)
 
 
@@ -94,31 +107,29 @@ def _(x, bits, scheme, group, rotate, symmetric, clip, offset=None):
 
 @torch.library.custom_op("kv4::quantize_refined", mutates_args=())
 def quantize_refined(
-    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool, refine: int,
+    x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
+    refine: int,
     offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`quantize` of new tokens ``x [B, H, T, D]`` and the second code plane
     (``QuantSpec.refine``) of the newest ``min(T, refine)``: ``(codes, scales, fine_codes, fine_scales)``.
     One op, not four: a decode step appends one token, and each op call costs more than its work."""
-    spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
     return reference.encode_refined(x.contiguous(), spec, offset=offset)
 
 
-def _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine) -> QuantSpec:
-    return QuantSpec(bits, scheme, group, rotate, symmetric, clip=clip, refine=refine)
-
-
 @quantize_refined.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, clip, refine, offset=None):
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None):
     T = x.shape[2]
     newest = x[:, :, T - torch.sym_min(T, refine) :]
-    return *_stored_like(x, bits, scheme, group, rotate, symmetric), *_stored_like(newest, bits, scheme, group, rotate, symmetric)
+    layout = (bits, scheme, group, rotate, symmetric, span_heads)
+    return *_stored_like(x, *layout), *_stored_like(newest, *layout)
 
 
 @quantize_refined.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, clip, refine, offset=None):
-    kernels = _triton_kernels()
-    spec = _refined_spec(bits, scheme, group, rotate, symmetric, clip, refine)
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None):
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
+    kernels = _kernels_for(spec)
     quantizer = reference.quantize if kernels is None else kernels.quantize
     return reference.encode_refined(x.contiguous(), spec, quantizer, offset)
 
@@ -129,16 +140,16 @@ def _(x, bits, scheme, group, rotate, symmetric, clip, refine, offset=None):
 @torch.library.custom_op("kv4::write_", mutates_args=("codes", "scales"))
 def write_(
     codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, x: torch.Tensor,
-    bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, clip: bool,
+    bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
 ) -> None:  # fmt: skip
     """Quantize ``x [B, H, T, D]`` into token slots ``index`` of a preallocated per-token cache."""
-    new_codes, new_scales = quantize(x, bits, scheme, group, rotate, symmetric, clip)
+    new_codes, new_scales = quantize(x, bits, scheme, group, rotate, symmetric, span_heads, clip)
     codes.index_copy_(2, index, new_codes)
     scales.index_copy_(2, index, new_scales)
 
 
 @write_.register_fake
-def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric, clip):
+def _(codes, scales, index, x, bits, scheme, group, rotate, symmetric, span_heads, clip):
     return None
 
 
@@ -171,19 +182,20 @@ def dequantize(
     group: int,
     rotate: bool,
     symmetric: bool,
+    span_heads: bool,
     fine_codes: torch.Tensor | None = None,
     fine_scales: torch.Tensor | None = None,
     head: torch.Tensor | None = None,
     offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole logical ``[B, H, S, D]`` tensor; used only off the hot path."""
-    spec = QuantSpec(bits, scheme, group, rotate, symmetric)
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads)
     return reference.decode(codes, scales, residual, spec, residual.dtype, fine_codes, fine_scales, head, offset)
 
 
 @dequantize.register_fake
-def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, fine_codes=None, fine_scales=None, head=None,
-      offset=None):  # fmt: skip
+def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, span_heads, fine_codes=None, fine_scales=None,
+      head=None, offset=None):  # fmt: skip
     B, H, S, _ = codes.shape
     n_head = 0 if head is None else head.shape[2]
     return residual.new_empty((B, H, n_head + S + residual.shape[2], residual.shape[3]))
@@ -211,11 +223,13 @@ def attention(
     k_group: int,
     k_rotate: bool,
     k_symmetric: bool,
+    k_span_heads: bool,
     v_bits: int,
     v_scheme: str,
     v_group: int,
     v_rotate: bool,
     v_symmetric: bool,
+    v_span_heads: bool,
     softcap: float = 0.0,
     k_fine_codes: torch.Tensor | None = None,
     k_fine_scales: torch.Tensor | None = None,
@@ -231,8 +245,8 @@ def attention(
     ``*_head``: fp sinks (``QuantSpec.sinks``); ``*_offset``: a centered spec's offset."""
     return reference.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        QuantSpec(k_bits, k_scheme, k_group, k_rotate, k_symmetric),
-        QuantSpec(v_bits, v_scheme, v_group, v_rotate, v_symmetric), softcap,
+        _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads),
+        _spec(v_bits, v_scheme, v_group, v_rotate, v_symmetric, v_span_heads), softcap,
         k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
     )  # fmt: skip
 
@@ -245,8 +259,8 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @attention.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     n = SPEC_ARGS
-    k_spec, v_spec, softcap, extra = QuantSpec(*rest[:n]), QuantSpec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
-    kernels = _triton_kernels()
+    k_spec, v_spec, softcap, extra = _spec(*rest[:n]), _spec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
+    kernels = _kernels_for(k_spec, v_spec)
     run = kernels.attention if kernels is not None else reference.attention
     return run(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,

@@ -140,7 +140,7 @@ class PackedKV(torch.Tensor):
         # Zero scales decode every slot to exactly zero, whatever its codes.
         return PackedKV(
             empty.codes.new_zeros((B, H, S, *empty.codes.shape[3:])),
-            empty.scales.new_zeros((B, H, S, *empty.scales.shape[3:])),
+            empty.scales.new_zeros((B, empty.scales.shape[1], S, *empty.scales.shape[3:])),
             empty.residual, spec,
         )  # fmt: skip
 

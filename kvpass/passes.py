@@ -1050,7 +1050,7 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             log.debug("kvpass: cache write %s stays fp16: %s", node.name, why)
             continue
         write.fp_readers = list(write.others)
-        _replace_cache_write(graph, write, config.v, shared.packed)
+        _replace_cache_write(graph, write, config.v.for_head_dim(_val(write.new).shape[-1]), shared.packed)
         # What the readers now get: the new tokens (prefill) or cat([past.dequantize(), new]).
         reads.update(arg for reader in write.fp_readers for arg in reader.all_input_nodes)
         if write.past is not None:
@@ -1067,6 +1067,23 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             if config.for_layer(_layer_index(report.module)) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
+
+
+def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list[str]) -> KVConfig:
+    """``config`` with K's and V's specs for their head dims (:meth:`QuantSpec.for_head_dim`)."""
+    specs, narrow = {}, {}
+    for role, write, spec in (("K", k, config.k), ("V", v, config.v)):
+        heads, dim = _val(write.new).shape[1], _val(write.new).shape[-1]
+        narrow_spec = specs[role.lower()] = spec.for_head_dim(dim)
+        if narrow_spec.span_heads:
+            span = f"{narrow_spec.heads_per_group(heads, dim) * dim} values (whole heads)"
+        else:
+            span = f"{spec.token_group(dim)} values"
+        if narrow_spec != spec and not _is_static(write):  # slots never take the extras
+            narrow.setdefault(f"head_dim {dim}: one fp16 scale per {span}", []).append(role)
+    notes.extend(f"{' and '.join(roles)} {why} leaves no bytes for a second code plane, sinks or offset"
+                 for why, roles in narrow.items())  # fmt: skip
+    return dataclasses.replace(config, **specs)
 
 
 def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
@@ -1111,6 +1128,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         notes = []
         if config.k_layers and _layer_index(module) is None:
             notes.append(f"no layer index in module path {module!r}: K has the settings for every layer")
+        site_config = _for_head_dims(site_config, k, v, notes)
         stored_config = owners.setdefault(k.node, site_config)
         if stored_config.k != site_config.k:
             shared_spec = stored_config.k.tag

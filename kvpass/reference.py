@@ -40,6 +40,8 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
 
 * codes, both schemes: ``uint8 [B, H, S, D * bits // 8]``
 * scales, ``scheme="token"``: ``fp16 [B, H, S, D // g]``
+* scales, ``scheme="token"`` with ``span_heads``: ``fp16 [B, H // n, S, 1]``, one group per token
+  over all channels of ``n = spec.heads_per_group(H, D)`` consecutive heads
 * scales, ``scheme="channel"``: ``fp16 [B, H, S // g, D]`` (S a multiple of g)
 * asymmetric: the scales tensor gains a trailing dimension of 2, ``[..., 0]`` the scale and
   ``[..., 1]`` the zero point: ``fp16 [B, H, S, D // g, 2]`` or ``fp16 [B, H, S // g, D, 2]``.
@@ -291,22 +293,40 @@ def split_scales(scales: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, t
     return scales[..., 0], scales[..., 1]
 
 
-def _quantize_asym(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _groups(x: torch.Tensor, spec: QuantSpec):
+    """``(groups, dim, expand, ungroup)``: ``x [B, H, S, D]`` viewed as its groups, which are
+    reduced over ``dim``; ``expand`` broadcasts a per-group parameter back over a group, and
+    ``ungroup`` takes a groups-shaped tensor back to ``[B, H, S, D]``."""
     B, H, S, D = x.shape
-    code_max = spec.code_max
-    if spec.scheme == "token":
-        g = spec.token_group(D)
-        groups = x.reshape(B, H, S, D // g, g).float()
-        dim, expand = -1, (lambda p: p[..., None])
-    else:
+    if spec.scheme == "channel":
         g = spec.group
         if S % g:
             raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
-        groups = x.reshape(B, H, S // g, g, D).float()
-        dim, expand = 3, (lambda p: p[:, :, :, None, :])
+        return x.reshape(B, H, S // g, g, D), 3, (lambda p: p[:, :, :, None, :]), (lambda t: t.reshape(B, H, S, D))
+    n = spec.heads_per_group(H, D)
+    if n == 1 and not spec.span_heads:
+        g = spec.token_group(D)
+        return x.reshape(B, H, S, D // g, g), 4, (lambda p: p[..., None]), (lambda t: t.reshape(B, H, S, D))
+    # One group per token over the channels of n heads: [B, H // n, S, 1, n * D].
+    groups = x.reshape(B, H // n, n, S, D).transpose(2, 3).reshape(B, H // n, S, 1, n * D)
+    def ungroup(t):  # contiguous, as codes are everywhere else (the reshape may stay a view)
+        return t.reshape(B, H // n, S, n, D).transpose(2, 3).reshape(x.shape).contiguous()
+
+    return groups, 4, (lambda p: p[..., None]), ungroup
+
+
+def per_head_scales(scales: torch.Tensor, heads: int) -> torch.Tensor:
+    """``scales`` with one row per head: groups spanning ``n`` heads (``span_heads``) repeated ``n`` times."""
+    n = heads // scales.shape[1]
+    return scales if n == 1 else scales.repeat_interleave(n, dim=1)
+
+
+def _quantize_asym(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    code_max = spec.code_max
+    groups, dim, expand, ungroup = _groups(x.float(), spec)
     non_finite = ~torch.isfinite(groups).all(dim)
     scale, zero = _asym_params(groups.amin(dim), groups.amax(dim), non_finite, code_max)
-    codes = _asym_codes_from(groups, expand(scale), expand(zero), code_max).reshape(B, H, S, D)
+    codes = ungroup(_asym_codes_from(groups, expand(scale), expand(zero), code_max))
     return pack_codes(codes, spec.bits, symmetric=False), torch.stack([scale, zero], dim=-1)
 
 
@@ -317,20 +337,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     """
     if not spec.symmetric:
         return _quantize_asym(x, spec)
-    B, H, S, D = x.shape
     qmax = spec.qmax
-    if spec.scheme == "token":
-        g = spec.token_group(D)
-        groups = x.reshape(B, H, S, D // g, g)
-        dim, expand = 4, (lambda p: p[..., None])
-    else:
-        g = spec.group
-        if S % g:
-            raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
-        groups = x.reshape(B, H, S // g, g, D)
-        dim, expand = 3, (lambda p: p[:, :, :, None, :])
+    groups, dim, expand, ungroup = _groups(x, spec)
     scale = _clipped_scale(groups, dim, qmax) if spec.clip else _group_scale(groups.abs().amax(dim), qmax)
-    codes = _codes_from(groups, expand(scale), spec.code_min, spec.code_max).reshape(B, H, S, D)
+    codes = ungroup(_codes_from(groups, expand(scale), spec.code_min, spec.code_max))
     return pack_codes(codes, spec.bits), scale
 
 
@@ -338,7 +348,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype
     """Inverse of :func:`quantize` (up to the quantization error), ``[B, H, S, D]``."""
     q = _unpacked_float(codes, spec.bits, spec.symmetric)
     B, H, S, D = q.shape
-    scale, zero = split_scales(scales, spec)
+    scale, zero = split_scales(per_head_scales(scales, H), spec)
     if spec.scheme == "token":
         g = D // scale.shape[-1]
         q = q.reshape(B, H, S, D // g, g)
@@ -361,8 +371,10 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype
 
 
 def _field_run(D: int, spec: QuantSpec) -> int:
-    """Bytes per run of :func:`field_order`: one token group's (a per-token spec), else a whole row."""
-    return spec.token_group(D) * spec.bits // 8 if spec.scheme == "token" else D * spec.bits // 8
+    """Bytes per run of :func:`field_order`: one token group's (a per-token spec within a head), else a
+    whole row."""
+    within_head = spec.scheme == "token" and not spec.span_heads
+    return (spec.token_group(D) if within_head else D) * spec.bits // 8
 
 
 @functools.lru_cache(maxsize=32)
@@ -398,7 +410,7 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
         q[..., i, :].copy_(_field(by_run, bits, i))
     if spec.symmetric:
         q.sub_(_code_offset(bits, spec.symmetric))
-    scale, zero = split_scales(scales, spec)
+    scale, zero = split_scales(per_head_scales(scales, H), spec)
     q = q.view(B, H, S, runs, D // runs)
     if spec.scheme == "token":
 

@@ -59,7 +59,7 @@ class FpTokens:
         all-fp16 cache."""
         start, stop = self.quantized(stored)
         total = 0
-        for spec in (k_spec, v_spec):
+        for spec in (k_spec.for_head_dim(head_dim), v_spec.for_head_dim(head_dim)):
             takes = spec.takes_prefix(stored)
             sinks = min(spec.sinks, stop) if takes else 0
             n_quant = stop - max(start, sinks)
@@ -84,6 +84,9 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     ``state`` (a dict per layer) counts the tokens seen and holds the sinks and offset each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
         v_spec = k_spec
+    k_spec, v_spec = (
+        None if spec is None else spec.for_head_dim(x.shape[-1]) for x, spec in ((key_states, k_spec), (value_states, v_spec))
+    )
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
         prefixes = []
         for x, spec in ((key_states, k_spec), (value_states, v_spec)):

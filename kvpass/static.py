@@ -49,8 +49,9 @@ class _PackedBuffers:
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
         shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        self.keys = PackedKV.zeros((*shape, self.k_head_dim), key_states.dtype, self.device, self.k_spec)
-        self.values = PackedKV.zeros((*shape, self.v_head_dim), value_states.dtype, self.device, self.v_spec)
+        k_spec, v_spec = self.k_spec.for_head_dim(self.k_head_dim), self.v_spec.for_head_dim(self.v_head_dim)
+        self.keys = PackedKV.zeros((*shape, self.k_head_dim), key_states.dtype, self.device, k_spec)
+        self.values = PackedKV.zeros((*shape, self.v_head_dim), value_states.dtype, self.device, v_spec)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
             # Fixed addresses, as HF marks its own buffers, so CUDA graphs replay without copying

@@ -14,7 +14,7 @@ from kvpass import passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache
-from tests.helpers import greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
+from tests.helpers import cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
 
 
 def _ids(n, batch=1, seed=0):
@@ -34,6 +34,30 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
     assert all(site.rewritten for g in backend.graphs for site in g.sites)
     phases = [site.phase for g in backend.graphs for site in g.sites]
     assert "prefill" in phases and "decode" in phases
+
+
+@pytest.mark.parametrize(
+    "head_dim, ratio, note",
+    [(8, 0.3125, "one fp16 scale per 16 values (whole heads)"), (16, 0.3125, "one fp16 scale per 16 values"),
+     (32, None, None)],
+)  # fmt: skip
+def test_small_heads_store_plain_groups_and_say_so(head_dim, ratio, note):
+    # A 70-token prompt takes sinks and an offset where the head is wide enough to pay for them.
+    torch._dynamo.reset()
+    model = kv_heavy_llama(head_dim=head_dim)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(_ids(70), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    stored, fp16 = packed_and_fp16_bytes(out.past_key_values)
+    notes = [site.reason for g in backend.graphs for site in g.sites]
+    if ratio is None:
+        assert any(t.n_head for t in cache_tensors(out.past_key_values))
+        assert not any("no bytes" in note for note in notes)
+    else:
+        # int4 codes and an fp16 scale per 16 values (at head_dim 8, one token's channels in both KV
+        # heads), nothing else: 5 bits of 16.
+        assert stored == ratio * fp16
+        assert all(f"K and V head_dim {head_dim}: {note} leaves no bytes" in reason for reason in notes)
 
 
 @pytest.mark.parametrize(

@@ -79,6 +79,12 @@ def test_kv4_group_clipped_to_what_head_dim_allows():
     assert ratio == (5 + 5) / 32
 
 
+def test_kv4_heads_under_32_channels_store_no_extras():
+    # head_dim 16: codes and an fp16 scale per 16 values, no second plane, sinks or offset.
+    assert kv_cache_bytes((2, 2, 16), "kv4", 1000) == kv_cache_bytes((2, 2, 16), "fp16", 1000) * 5 / 16
+    assert kv_cache_bytes((2, 2, 32), "kv4", 1000) > kv_cache_bytes((2, 2, 32), "fp16", 1000) * 4.5 / 16
+
+
 def test_kv4_groups_overridable():
     bits = (4 + 16 / 128) + (4 + 16 / 32)
     assert kv_bytes_per_token((1, 1, 128), "kv4", k_group=128, v_group=32) == 128 * bits / 8

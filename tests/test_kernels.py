@@ -159,6 +159,8 @@ def test_quantize_returns_new_tensors_and_rejects_partial_groups():
         quantize(x, QuantSpec(bits=4, scheme="channel", group=64))
     with pytest.raises(ValueError, match="dtype"):
         quantize(x.double(), QuantSpec())
+    with pytest.raises(ValueError, match="groups spanning heads are stored by kvpass.reference"):
+        quantize(x, QuantSpec(span_heads=True))
 
 
 # --- attention -------------------------------------------------------------------------
@@ -436,6 +438,9 @@ def test_attention_rejects_bad_shapes():
         attention(*args, None, 0.125, False, *rotated, 0.0, *extra, None, torch.zeros(1, 2, 3, 64))
     with pytest.raises(ValueError, match="v_head must be float"):
         attention(*args, None, 0.125, False, *rotated, 0.0, *extra, None, None, torch.zeros(1, 2, 4, 32))
+    span = (rotated[0], dataclasses.replace(rotated[1], span_heads=True))
+    with pytest.raises(ValueError, match="groups spanning heads are read by kvpass.reference"):
+        attention(*args, None, 0.125, False, *span)
 
 
 @pytest.mark.parametrize("q_len", [1, 5])

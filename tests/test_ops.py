@@ -21,7 +21,7 @@ def _stored(x, spec):
 def _attention_args(past, new, specs, mask=False, dtype=torch.float32):
     torch.manual_seed(past + new)
     k_spec, v_spec = specs
-    B, Hq, Hkv, D = 2, 4, 2, 64
+    B, Hq, Hkv, D = 2, 4, 2, 8 if k_spec.span_heads else 64
     q = torch.randn(B, Hq, new, D, dtype=dtype)
     k, v = torch.randn(B, Hkv, past, D, dtype=dtype), torch.randn(B, Hkv, past, D, dtype=dtype)
     k_new, v_new = torch.randn(B, Hkv, new, D, dtype=dtype), torch.randn(B, Hkv, new, D, dtype=dtype)
@@ -37,18 +37,21 @@ def _attention_args(past, new, specs, mask=False, dtype=torch.float32):
     [
         KIVI[0], KIVI[1], QuantSpec(2, "token", 32, True), QuantSpec(8, "channel", 32),
         QuantSpec(4, "token", 32, True, symmetric=False), QuantSpec(2, "channel", 32, symmetric=False),
-        QuantSpec(4, "token", 64, True, clip=True),
+        QuantSpec(4, "token", 64, True, clip=True), QuantSpec(4, "token", 64, True, clip=True, span_heads=True),
     ],
     ids=lambda s: s.tag,
 )  # fmt: skip
 def test_opcheck_quantize_and_dequantize(spec):
-    x = torch.randn(2, 3, 64, 64)
+    x = torch.randn(2, 4, 64, 8 if spec.span_heads else 64)
     torch.library.opcheck(ops.quantize, (x, *ops.codec_args(spec)))
     codes, scales = ops.quantize(x, *ops.codec_args(spec))
     torch.library.opcheck(ops.dequantize, (codes, scales, x[:, :, :5], *ops.spec_args(spec)))
 
 
-@pytest.mark.parametrize("specs", [KIVI, ROTATED, ASYM], ids=["kivi", "rotated", "asym"])
+SPAN_HEADS = (QuantSpec(4, "token", 64, rotate=True, span_heads=True),) * 2
+
+
+@pytest.mark.parametrize("specs", [KIVI, ROTATED, ASYM, SPAN_HEADS], ids=["kivi", "rotated", "asym", "span-heads"])
 @pytest.mark.parametrize("past, new, mask", [(0, 4, False), (70, 1, False), (130, 3, True)])
 def test_opcheck_attention(specs, past, new, mask):
     torch.library.opcheck(ops.attention, _attention_args(past, new, specs, mask))

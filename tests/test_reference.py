@@ -311,6 +311,49 @@ def test_channel_scheme_needs_whole_groups():
         R.quantize(torch.randn(1, 1, 65, 64), QuantSpec(4, "channel", 64))
 
 
+@pytest.mark.parametrize(
+    "spec, H, D, n",
+    [
+        (QuantSpec(4, "token", 64, span_heads=True), 4, 8, 4),  # 4 heads of 8 channels: 32 values
+        (QuantSpec(4, "token", 64, span_heads=True, clip=True), 6, 12, 3),  # 3 heads fit in 64 and divide 6
+        (QuantSpec(4, "token", 64, span_heads=True, symmetric=False), 2, 24, 2),
+        (QuantSpec(4, "token", 16, span_heads=True), 3, 24, 1),  # wider than the group: one whole head
+    ],
+    ids=lambda v: v.tag if isinstance(v, QuantSpec) else str(v),
+)  # fmt: skip
+def test_groups_spanning_heads_take_one_tokens_channels_in_n_heads(spec, H, D, n):
+    torch.manual_seed(0)
+    x = torch.randn(2, H, 40, D) * torch.logspace(-1, 1, H)[:, None, None]  # heads of different size
+    codes, scales = R.quantize(x, spec)
+    assert spec.heads_per_group(H, D) == n
+    assert scales.shape[:4] == (2, H // n, 40, 1)
+    per_head = R.per_head_scales(scales, H)
+    scale, zero = R.split_scales(per_head, spec)
+    if not spec.clip and spec.symmetric:  # the group's amax is over all n heads' channels
+        amax = x.reshape(2, H // n, n, 40, D).abs().amax(dim=(2, 4))
+        assert torch.equal(scales[..., 0], (amax / spec.qmax).half())
+    y = R.dequantize(codes, scales, spec)
+    bound = R.error_bound(scale.expand_as(x), spec, None if zero is None else zero.expand_as(x))
+    assert ((x - y).abs() <= bound).all()
+    assert spec.clip or ((x - y).abs() > 0.4 * bound).any()  # a clipped scale's bound is looser
+    order = R.field_order(D, spec)
+    assert torch.equal(R.dequantize_field_major(codes, scales, spec), y[..., order])
+
+
+def test_span_heads_needs_per_token_groups_and_round_trips_its_tag():
+    spec = QuantSpec(4, "token", 64, rotate=True, clip=True, span_heads=True)
+    assert spec.tag == "int4:token:64:rot:mse:heads" and QuantSpec.from_tag(spec.tag) == spec
+    with pytest.raises(ValueError, match="span_heads=True needs scheme='token'"):
+        QuantSpec(4, "channel", 64, span_heads=True)
+
+
+@pytest.mark.parametrize("D, expected", [(8, QuantSpec(4, "token", 64, True, span_heads=True)),
+                                         (16, QuantSpec(4, "token", 64, True)), (32, KVConfig().k)])  # fmt: skip
+def test_narrow_heads_drop_the_extras_and_the_narrowest_span_heads(D, expected):
+    k = dataclasses.replace(KVConfig().k, clip=False)
+    assert k.for_head_dim(D) == dataclasses.replace(expected, clip=False)
+
+
 def test_token_group_is_clipped_to_what_head_dim_allows():
     assert QuantSpec(4, "token", 128).token_group(64) == 64
     assert QuantSpec(4, "token", 64).token_group(96) == 32
@@ -367,13 +410,14 @@ def _stored(x, spec):
         (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
         (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (QuantSpec(4, "channel", 64, symmetric=False), QuantSpec(4, "token", 64, rotate=True, symmetric=False)),
+        (QuantSpec(4, "token", 64, rotate=True, span_heads=True),) * 2,
     ],
-    ids=["kivi", "rotated", "asym"],
+    ids=["kivi", "rotated", "asym", "span-heads"],
 )
 @pytest.mark.parametrize("new, causal", [(1, False), (5, True)])
 def test_blockwise_attention_equals_sdpa_over_dequantized_cache(past, k_spec, v_spec, new, causal):
     torch.manual_seed(past)
-    B, Hq, Hkv, D = 2, 8, 2, 64
+    B, Hq, Hkv, D = 2, 8, 2, 8 if k_spec.span_heads else 64
     k, v = torch.randn(B, Hkv, past, D), torch.randn(B, Hkv, past, D)
     q = torch.randn(B, Hq, new, D)
     k_new, v_new = torch.randn(B, Hkv, new, D), torch.randn(B, Hkv, new, D)
