@@ -20,8 +20,14 @@ CENTER_SKIP = 4
 CENTER_TOKENS = 64
 # A cache takes its fp sinks and offset only from a first append (a prompt) of at least this
 # many tokens: on a shorter cache their fixed bytes outweigh what they save, and a few tokens fix a
-# poor offset. A cache started by decode steps or a short prompt has neither.
+# poor offset.
 PREFIX_MIN_TOKENS = 64
+# A shorter prompt of at least this many tokens still keeps its first token as an fp sink (no
+# offset): one 16-bit row, paid for by 3 refined tokens, keeps a cache of 16 tokens under 0.33x
+# fp16, and the first token (BOS) is the sink every later query reads most. Decode steps from
+# an empty cache, or a prompt under 16 tokens, take nothing.
+SHORT_PREFIX_MIN_TOKENS = 16
+SHORT_PREFIX_SINKS = 1
 # Heads narrower than this (test-size models) spend a bit or more per value on fp16 scales: with a
 # second code plane, fp sinks or an offset on top, a short cache would store more than 0.35x fp16,
 # so they keep plain groups (:meth:`QuantSpec.for_head_dim`).
@@ -81,10 +87,11 @@ class QuantSpec:
     heads so narrow that their own groups would be mostly scale (:meth:`for_head_dim`). The
     torch reference stores and reads it on every device.
 
-    Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more
-    (:meth:`takes_prefix`). A cache that took sinks pays for them with ``sink_plane_cost`` (15)
-    fewer refined tokens for as long as it holds them or its offset, so from 128 tokens on it
-    stores no more than it would without them.
+    Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more;
+    one of 16 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
+    what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset, 3 for
+    one sink) for as long as it holds them or its offset, so from 128 tokens on it stores no more
+    than it would without them.
     """
 
     bits: int = 4
@@ -233,23 +240,34 @@ class QuantSpec:
             return 1
         return max(n for n in range(1, heads + 1) if heads % n == 0 and n * head_dim <= max(self.group, head_dim))
 
-    def takes_prefix(self, first: int) -> bool:
-        """Whether a first append of ``first`` tokens fixes this spec's sinks and offset."""
-        return bool(self.sinks or self.center) and first >= PREFIX_MIN_TOKENS
+    def prefix(self, first: int) -> tuple[int, bool]:
+        """``(sinks, offset)``: how many fp sinks, and whether an offset, a first append of ``first``
+        tokens fixes for this spec (``PREFIX_MIN_TOKENS``, ``SHORT_PREFIX_MIN_TOKENS``)."""
+        if first >= PREFIX_MIN_TOKENS:
+            return self.sinks, self.center
+        if first >= SHORT_PREFIX_MIN_TOKENS:
+            return min(self.sinks, SHORT_PREFIX_SINKS), False
+        return 0, False
 
-    @property
-    def sink_plane_cost(self) -> int:
-        """Refined tokens a cache that took sinks gives up: as many as its 16-bit sinks (beyond the
-        codes they replace) and fp16 offset row take, in quantized tokens' bytes (15 for int4, groups of 64)."""
-        token_bits = self.bits + 16 * (1 if self.symmetric else 2) / self.group  # per value
-        return math.ceil((self.sinks * (16 - token_bits) + 16 * self.center) / token_bits)
+    def plane_cost(self, n_head: int, has_offset: bool) -> int:
+        """Refined tokens a cache holding ``n_head`` fp sinks (and an offset, if ``has_offset``) gives
+        up: as many as those 16-bit rows (beyond the codes the sinks replace) take in quantized tokens'
+        bytes, 15 for int4 in groups of 64 with 4 sinks and an offset. The offset outlives a sliding
+        window's eviction of the sinks it came with and keeps paying for all of them: the plane cannot
+        regain rows it dropped."""
+        group_bits = self.bits * self.group + 16 * (1 if self.symmetric else 2)  # a token's bits per group
+        sinks = self.sinks if has_offset else n_head
+        return -(-(sinks * (16 * self.group - group_bits) + 16 * self.group * has_offset) // group_bits)
 
-    def refined_tokens(self, stored: int, took_sinks: bool = False):
+    def refined_tokens(self, stored: int, n_head: int = 0, has_offset: bool = False):
         """How many of the newest quantized tokens of a cache holding ``stored`` tokens (sinks
-        included) carry the second code plane: ``sink_plane_cost`` fewer in one that ``took_sinks``."""
+        included) carry the second code plane: :meth:`plane_cost` fewer in one with sinks or an offset
+        (a spec without sinks never pays: its offset alone was measured without payment)."""
         # sym_min / sym_max keep symbolic lengths free of guards.
         tokens = torch.sym_min(self.refine, stored // REFINE_SHARE)
-        return torch.sym_max(tokens - self.sink_plane_cost, 0) if took_sinks and self.sinks else tokens
+        if not self.sinks or not (n_head or has_offset):
+            return tokens
+        return torch.sym_max(tokens - self.plane_cost(n_head, has_offset), 0)
 
     def token_group(self, head_dim: int) -> int:
         """Channel-group size of a per-token scheme for this head_dim.

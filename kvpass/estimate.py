@@ -17,7 +17,8 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
 paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
-from prompts of 64 tokens or more). fp8 and int8 are costed without scales.
+from prompts of 64 tokens or more; a prompt of 16 to 63 keeps one sink, paid for by 3). Heads under
+32 channels store neither plane nor sinks. fp8 and int8 are costed without scales.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
-from kvpass.config import MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, KVConfig, QuantSpec
+from kvpass.config import (
+    MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig, QuantSpec,
+)
 
 logger = logging.getLogger("kvpass")
 
@@ -183,11 +186,11 @@ def _kv4_extra_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -
     fp16_bits = _FIXED_BITS["fp16"]
     total = 0.0
     for spec, dim, bits in specs:
-        takes_prefix = spec.takes_prefix(context)
+        taken, has_offset = spec.prefix(context)
         for layers, held in ((sizes.layers - sizes.sliding_layers, context), (sizes.sliding_layers, sliding_held)):
-            sinks = spec.sinks if takes_prefix and held == context else 0
-            refined = spec.refined_tokens(held, takes_prefix)
-            offset_bits = fp16_bits * dim if spec.center and takes_prefix else 0
+            sinks = taken if held == context else 0
+            refined = spec.refined_tokens(held, sinks, has_offset)
+            offset_bits = fp16_bits * dim if has_offset else 0
             per_head = refined * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits
             total += layers * sizes.kv_heads * per_head / 8
     return total
@@ -459,8 +462,9 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
     extras = (
         f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
-        f"K's first {_DEFAULT.k.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
-        f"{_DEFAULT.k.sink_plane_cost} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens); "
+        f"K's first {k_spec.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
+        f"{k_spec.plane_cost(k_spec.sinks, True)} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens; "
+        f"of {SHORT_PREFIX_MIN_TOKENS}+, the first token, {k_spec.plane_cost(SHORT_PREFIX_SINKS, False)}); "
         if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
     )
     lines = [

@@ -48,12 +48,13 @@ class PackedKV(torch.Tensor):
       ``spec.window + 63`` tokens of a windowed per-token spec (else empty for ``scheme="token"``);
     * ``fine_codes``, ``fine_scales`` (``spec.refine`` only, else None): ``[B, H, F, ...]`` laid
       out like ``codes`` and ``scales``, the quantized error of the newest ``F`` quantized tokens
-      (``F = spec.refined_tokens(S_h + S_q, took sinks)`` after an append; fewer after a crop),
+      (``F = spec.refined_tokens(S_h + S_q, ...)`` after an append; fewer after a crop),
       added on reading;
     * ``head`` (``spec.sinks`` only, else None): ``[B, H, S_h, D]`` in 16 bits (the logical
       dtype, bfloat16 for fp32: :func:`kvpass.reference.sink_dtype`), the first ``S_h`` tokens,
       unquantized (attention sinks): ``spec.sinks`` of them from a first append of at least
-      ``PREFIX_MIN_TOKENS``, else none; the logical tensor is ``[head | codes | residual]``,
+      ``PREFIX_MIN_TOKENS``, one from a shorter one of at least ``SHORT_PREFIX_MIN_TOKENS``, else
+      none (:meth:`QuantSpec.prefix`); the logical tensor is ``[head | codes | residual]``,
       ``S = S_h + S_q + R``;
     * ``offset`` (``spec.center`` only, else None): ``fp16 [B, H, 1, D]``, subtracted from every
       token before quantizing and added back on reading (:func:`kvpass.reference.center_offset`);
@@ -162,16 +163,17 @@ class PackedKV(torch.Tensor):
 
     def _sinks_and_offset(self, new: torch.Tensor):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
-        (a long enough first append fixes both, :meth:`QuantSpec.takes_prefix`) and the new tokens
-        left to quantize."""
+        (a first append fixes them, :meth:`QuantSpec.prefix`) and the new tokens left to quantize."""
         head, offset = self.head, self.offset
-        if self.codes.shape[2] == 0 and self.n_head == 0 and self.spec.takes_prefix(new.shape[2]):
-            if offset is not None:
-                offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
-            if head is not None:
-                first = new[:, :, : self.spec.sinks]
-                head = (ops.rotate(first) if self.spec.rotate else first).to(reference.sink_dtype(self.dtype))
-                new = new[:, :, self.spec.sinks :]
+        if self.codes.shape[2] or self.n_head:
+            return head, offset, new
+        sinks, takes_offset = self.spec.prefix(new.shape[2])
+        if takes_offset:
+            offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
+        if sinks:
+            first = new[:, :, :sinks]
+            head = (ops.rotate(first) if self.spec.rotate else first).to(reference.sink_dtype(self.dtype))
+            new = new[:, :, sinks:]
         return head, offset, new
 
     def _refined_append(self, new: torch.Tensor, head, offset) -> PackedKV:
@@ -185,7 +187,7 @@ class PackedKV(torch.Tensor):
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
         held = _head_len(head) + self.codes.shape[2] + new.shape[2]
-        n_fine = self.spec.refined_tokens(held, reference.took_sinks(_head_len(head), offset))
+        n_fine = reference.refined_tokens(self.spec, held, _head_len(head), offset)
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
@@ -421,7 +423,7 @@ def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
     fine_start = t.codes.shape[2] - t.fine_codes.shape[2]
     # sym_max instead of max keeps symbolic lengths free of guards.
     hi = torch.sym_max(stop - fine_start, 0)
-    kept = t.spec.refined_tokens(_head_len(head) + stop - start, reference.took_sinks(_head_len(head), t.offset))
+    kept = reference.refined_tokens(t.spec, _head_len(head) + stop - start, _head_len(head), t.offset)
     lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - kept)
     return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
 

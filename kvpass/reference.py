@@ -449,15 +449,14 @@ def sink_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
     """A centered cache's offset, or None where it has none: an offset of no rows belongs to a cache
-    whose first append was too short to fix one (:meth:`QuantSpec.takes_prefix`) or not yet made."""
+    whose first append was too short to fix one (:meth:`QuantSpec.prefix`) or not yet made."""
     return offset if offset is not None and offset.shape[2] else None
 
 
-def took_sinks(n_head: int, offset: torch.Tensor | None) -> bool:
-    """Whether a cache took fp sinks, which its second plane pays for (:meth:`QuantSpec.refined_tokens`).
-    A sliding window may have evicted them since; the offset it keeps says so, and the plane stays as
-    short as it was (it cannot regain rows), whichever step the eviction came at."""
-    return n_head > 0 or offset_or_none(offset) is not None
+def refined_tokens(spec: QuantSpec, stored: int, n_head: int, offset: torch.Tensor | None):
+    """:meth:`QuantSpec.refined_tokens` of a cache holding ``stored`` tokens, ``n_head`` of them fp
+    sinks, and ``offset`` (the tensor it stores, or None)."""
+    return spec.refined_tokens(stored, n_head, offset_or_none(offset) is not None)
 
 
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -510,21 +509,20 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor |
     """What a cache holding ``x`` (built in one go or by appends) gives back; whole groups only for
     channel. Its first ``sinks`` tokens stay unquantized (in :func:`sink_dtype`), the rest are
     quantized minus ``offset`` (a centered spec's, if any), the newest
-    ``spec.refined_tokens(S, took_sinks)`` of them refined. Without ``sinks``, both are what a
-    cache whose first append is ``x`` takes (:meth:`QuantSpec.takes_prefix`; ``offset`` then
-    defaults to :func:`center_offset`)."""
+    :func:`refined_tokens` of them refined. Without ``sinks``, both are what a cache whose first
+    append is ``x`` takes (:meth:`QuantSpec.prefix`; ``offset`` then defaults to
+    :func:`center_offset`)."""
     B, H, S, D = x.shape
     if sinks is None:
-        takes_prefix = spec.takes_prefix(S)
-        sinks = spec.sinks if takes_prefix else 0
-        if spec.center and offset is None and takes_prefix:
+        sinks, takes_offset = spec.prefix(S)
+        if takes_offset and offset is None:
             offset = center_offset(x, spec)
     stored = rotate(x) if spec.rotate else x
     n_head = min(sinks, S)
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
     codes, scales = quantize(quantized, spec)
-    n_fine = spec.refined_tokens(n_head + quantized.shape[2], took_sinks(n_head, offset))
+    n_fine = refined_tokens(spec, n_head + quantized.shape[2], n_head, offset)
     fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
     head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None
     return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine, head=head, offset=offset)

@@ -60,11 +60,11 @@ class FpTokens:
         start, stop = self.quantized(stored)
         total = 0
         for spec in (k_spec.for_head_dim(head_dim), v_spec.for_head_dim(head_dim)):
-            takes = spec.takes_prefix(stored)
-            sinks = min(spec.sinks, stop) if takes else 0
+            taken, has_offset = spec.prefix(stored)
+            sinks = min(taken, stop)
             n_quant = stop - max(start, sinks)
-            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if spec.center and takes else 0)
-            total += (n_quant + spec.refined_tokens(n_quant + sinks, takes)) * spec_bytes_per_token(spec, head_dim)
+            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if has_offset else 0)
+            total += (n_quant + spec.refined_tokens(n_quant + sinks, sinks, has_offset)) * spec_bytes_per_token(spec, head_dim)
         return total / (stored * 4 * head_dim)
 
 
@@ -90,8 +90,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
         prefixes = []
         for x, spec in ((key_states, k_spec), (value_states, v_spec)):
-            takes = spec is not None and spec.takes_prefix(x.shape[2])
-            prefixes.append((spec.sinks, center_offset(x, spec) if spec.center else None) if takes else (0, None))
+            sinks, takes_offset = (0, False) if spec is None else spec.prefix(x.shape[2])
+            prefixes.append((sinks, center_offset(x, spec) if takes_offset else None))
         state.update(seen=0, prefixes=prefixes)
     state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)

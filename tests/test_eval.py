@@ -223,12 +223,19 @@ def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
     # The offset's point: less to quantize than K itself.
     uncentered = quantize_dequantize(first, dataclasses.replace(k_spec, center=False))[:, :, 2:]
     assert (read_k[:, :, 2:70] - first[:, :, 2:]).norm() < 0.5 * (uncentered - first[:, :, 2:]).norm()
-    # A first update under 64 tokens fixes neither: the layer reads like a plain cache's.
-    short = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
-    short.update(first[:, :, :40], torch.randn(1, 2, 40, 64, generator=g))
-    read_k, _ = short.update(new, torch.randn(1, 2, 3, 64, generator=g))
+    # A first update of 16 to 63 tokens keeps its first token and fixes no offset; a shorter one
+    # fixes nothing, and the layer reads like a plain cache's.
     plain_spec = dataclasses.replace(k_spec, sinks=0, center=False)
-    assert torch.equal(read_k[:, :, :40], quantize_dequantize(first[:, :, :40], plain_spec))
+    for tokens, sinks in ((40, 1), (10, 0)):
+        short = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+        short.update(first[:, :, :tokens], torch.randn(1, 2, tokens, 64, generator=g))
+        read_k, _ = short.update(new, torch.randn(1, 2, 3, 64, generator=g))
+        expected = quantize_dequantize(first[:, :, :tokens], k_spec, sinks=sinks)
+        assert torch.equal(read_k[:, :, :tokens], expected)
+        assert sinks or torch.equal(expected, quantize_dequantize(first[:, :, :tokens], plain_spec))
+        packed = PackedKV.from_float(first[:, :, :tokens], k_spec)
+        assert packed.n_head == sinks and packed.offset.shape[2] == 0
+        torch.testing.assert_close(read_k[:, :, :tokens], packed.dequantize(), rtol=0, atol=1e-5)
 
 
 def test_window_longer_than_the_text_is_the_fp_baseline(model):

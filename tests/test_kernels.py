@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton", reason="the Triton kernels need the triton package")
 
 from kvpass import reference  # noqa: E402
-from kvpass.config import PREFIX_MIN_TOKENS, QuantSpec  # noqa: E402
+from kvpass.config import PREFIX_MIN_TOKENS, SHORT_PREFIX_MIN_TOKENS, QuantSpec  # noqa: E402
 from kvpass.kernels.attention import _INTERPRET as KERNELS_INTERPRETED  # noqa: E402
 
 if not KERNELS_INTERPRETED:
@@ -297,7 +297,7 @@ SINKS_CENTERED = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=T
 def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype, k_bits):
     """K with fp sinks and quantized minus an offset (``sinks``, ``center``), V refined only:
     positions shift by the sinks in K and not in V, and both extras are read. A first append
-    under 64 tokens takes neither: an empty head and an offset of no rows."""
+    under 64 tokens takes one sink (16 or more) or none, and no offset: an offset of no rows."""
     from kvpass.packed import PackedKV
 
     k_spec = dataclasses.replace(SINKS_CENTERED, bits=k_bits)
@@ -308,16 +308,17 @@ def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype, k_bit
     for step in (30, 1):
         k = k.append((shared + torch.randn(2, 2, step, 64, generator=gen)).to(dtype))
         v = v.append(torch.randn(2, 2, step, 64, generator=gen).to(dtype))
-    sinks = 4 if past >= PREFIX_MIN_TOKENS else 0
+    sinks, has_offset = k_spec.prefix(past)
+    assert sinks == (4 if past >= PREFIX_MIN_TOKENS else 1 if past >= SHORT_PREFIX_MIN_TOKENS else 0)
     assert k.n_head == sinks and k.codes.shape[2] == past + 31 - sinks and v.codes.shape[2] == past + 31
-    assert k.offset.shape == (2, 2, 1 if sinks else 0, 64)
-    assert not sinks or k.offset.abs().max() > 1
+    assert k.offset.shape == (2, 2, 1 if has_offset else 0, 64)
+    assert not has_offset or k.offset.abs().max() > 1
     q = torch.randn(2, 8, q_len, 64, generator=gen).to(dtype)
     new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
     args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
     extra = (k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, None, None)
     out = _check(args, None, causal, (k_spec, REFINED), dtype, fine=extra)
-    if dtype == torch.float32 and not causal and sinks:  # the sinks and the offset are read
+    if dtype == torch.float32 and not causal and has_offset:  # the sinks and the offset are read
         for dropped in (4, 5):
             other = list(extra)
             other[dropped] = torch.zeros_like(other[dropped])

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, QuantSpec
+from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, QuantSpec
 from kvpass import reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
@@ -409,15 +409,21 @@ def test_refine_needs_per_token_groups_without_a_window_and_static_caches_strip_
 SINKS_CENTERED = QuantSpec(4, "token", 64, rotate=True, clip=True, refine=56, sinks=4, center=True)
 
 
-def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_neither():
+def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_its_first_token():
     torch.manual_seed(5)
     shared = 5 * torch.randn(2, 3, 1, 64)  # a mean direction all tokens share
     x = shared + torch.randn(2, 3, 90, 64)
-    for first in (2, PREFIX_MIN_TOKENS - 1):  # decode from empty, a short prompt
+    for first in (2, SHORT_PREFIX_MIN_TOKENS - 1):  # decode from empty, a very short prompt
         p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
         assert p.n_head == 0 and p.codes.shape[2] == 90 and p.offset.shape[2] == 0
         assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90) == 11  # no sinks to pay for
         torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=0), rtol=0, atol=0)
+    for first in (SHORT_PREFIX_MIN_TOKENS, PREFIX_MIN_TOKENS - 1):  # a short prompt: one sink, no offset
+        p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
+        assert p.n_head == 1 and p.codes.shape[2] == 89 and p.offset.shape[2] == 0
+        assert torch.equal(p.head, reference.rotate(x[:, :, :1]).bfloat16())
+        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 1) == 11 - 3  # one sink, paid for
+        torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=1), rtol=0, atol=0)
     q = PackedKV.from_float(x[:, :, :PREFIX_MIN_TOKENS], SINKS_CENTERED).append(x[:, :, PREFIX_MIN_TOKENS:])
     assert q.n_head == 4 and q.codes.shape[2] == 86
     assert torch.equal(q.head, reference.rotate(x[:, :, :4]).bfloat16())  # rotated, 16 bits for an fp32 model
@@ -433,7 +439,9 @@ def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_
 @pytest.mark.parametrize("tokens", [64, 200, 1000, 5000])
 def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
     spec = dataclasses.replace(SINKS_CENTERED, refine=64)
-    assert spec.sink_plane_cost == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
+    assert spec.plane_cost(4, True) == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
+    assert spec.plane_cost(0, True) == 15  # an offset outlives its evicted sinks and goes on paying for them
+    assert spec.plane_cost(1, False) == 3  # a short prompt's one sink: 11.75 / 4.25
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         x = torch.randn(1, 2, tokens, 64, dtype=dtype)
         with_prefix = PackedKV.from_float(x, spec)
