@@ -167,6 +167,14 @@ PER_TYPE: dict[str, dict] = {
 }
 
 
+def set_head_dim(head_dim: int) -> None:
+    """Tiny configs with heads of ``head_dim`` channels (and a hidden size of 4 such heads) instead of 32."""
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2 (int4 codes pack two per byte), got {head_dim!r}")
+    TINY.update(head_dim=head_dim, hidden_size=TINY["num_attention_heads"] * head_dim)
+    UNSET["head_dim"] = head_dim
+
+
 def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -377,11 +385,11 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}"
 
 
-def _run_isolated(model_type: str, timeout: float) -> dict:
+def _run_isolated(model_type: str, timeout: float, head_dim: int) -> dict:
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "kvpass.coverage", "--one", model_type],
+            [sys.executable, "-m", "kvpass.coverage", "--one", model_type, "--head-dim", str(head_dim)],
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -415,7 +423,8 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
         "",
         f"Made by `{command}` with torch {torch.__version__} and transformers {transformers.__version__}.",
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
-        f"hidden 128, head_dim 32 where the config has these), a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
+        f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), a {PROMPT_TOKENS}-token prompt, "
+        "one decode step compared with the eager model",
         "reading the same quantized past (`logits error`, max abs); `bytes` is stored / fp16 bytes of",
         "the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
@@ -440,14 +449,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="model types checked at once")
     parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--head-dim", type=int, default=TINY["head_dim"],
+                        help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})")  # fmt: skip
 
 
 def run(args) -> int:
     from tqdm import tqdm
 
+    set_head_dim(args.head_dim)
     types = args.model_types or causal_lm_types()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(_run_isolated, t, args.timeout): t for t in types}
+        futures = {pool.submit(_run_isolated, t, args.timeout, args.head_dim): t for t in types}
         rows = [f.result() for f in tqdm(concurrent.futures.as_completed(futures), total=len(types), desc="model types")]
     rows.sort(key=lambda r: r["model_type"])
     summary = summarize(rows)
@@ -462,6 +474,7 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--one":
+    if len(sys.argv) == 5 and sys.argv[1] == "--one" and sys.argv[3] == "--head-dim":
         logging.basicConfig(level=logging.ERROR)
+        set_head_dim(int(sys.argv[4]))
         print(json.dumps(check_one(sys.argv[2])))

@@ -91,3 +91,18 @@ def test_types_that_cannot_run_get_a_named_reason():
 def test_unknown_model_type_is_named():
     with pytest.raises(ValueError, match="unknown model type 'llama9'"):
         tiny_config("llama9")
+
+
+def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch):
+    # head_dim 8 (hidden 32), as small test configs have: groups span both KV heads.
+    from kvpass import coverage
+
+    monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))
+    monkeypatch.setattr(coverage, "UNSET", dict(coverage.UNSET))
+    coverage.set_head_dim(8)
+    config = tiny_config("llama")
+    assert (config.head_dim, config.hidden_size) == (8, 32)
+    row = check_one("llama")
+    assert row["status"] == "rewritten" and row["bytes_ratio"] == 0.312 and row["logits_error"] < 1e-4
+    with pytest.raises(ValueError, match="head_dim must be an even int >= 2"):
+        coverage.set_head_dim(7)
