@@ -524,7 +524,9 @@ def attention(
     B, Hq, T, D = q.shape
     for spec in (k_spec, v_spec):
         if spec.span_heads:
-            raise ValueError(f"{spec.tag}: groups spanning heads are read by kvpass.reference; the kernel's are within a head")
+            raise ValueError(
+                f"{spec.tag}: groups spanning heads are read by kvpass.reference; the kernel's are within a head"
+            )
     if k_new.dim() != 4 or v_new.dim() != 4 or k_new.shape[:3] != v_new.shape[:3] or k_new.shape[0] != B or k_new.shape[3] != D:
         raise ValueError(
             f"k_new must be [{B}, Hkv, T_new, {D}] and v_new [{B}, Hkv, T_new, Dv] with the same Hkv and "

@@ -262,7 +262,9 @@ def quantize(
     if x.dtype not in INPUT_DTYPES:
         raise ValueError(f"x dtype must be one of {INPUT_DTYPES}, got {x.dtype}")
     if spec.span_heads:
-        raise ValueError(f"{spec.tag}: groups spanning heads are stored by kvpass.reference; the kernel's are within a head")
+        raise ValueError(
+            f"{spec.tag}: groups spanning heads are stored by kvpass.reference; the kernel's are within a head"
+        )
     B, H, S, D = x.shape
     per_byte = 8 // spec.bits
     if D % per_byte:

@@ -154,7 +154,9 @@ class QuantSpec:
         if not isinstance(self.span_heads, bool):
             raise ValueError(f"span_heads must be True or False, got {self.span_heads!r}")
         if self.span_heads and self.scheme != "token":
-            raise ValueError(f"span_heads=True needs scheme='token' (groups of a token's channels), got {self.scheme!r}")
+            raise ValueError(
+                f"span_heads=True needs scheme='token' (groups of a token's channels), got {self.scheme!r}"
+            )
         if self.window and self.scheme != "token":
             raise ValueError(
                 f"window={self.window} needs scheme='token'; per-channel groups already keep the "

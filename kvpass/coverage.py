@@ -423,8 +423,8 @@ def markdown(rows: list[dict], summary: dict, command: str) -> str:
         "",
         f"Made by `{command}` with torch {torch.__version__} and transformers {transformers.__version__}.",
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
-        f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), a {PROMPT_TOKENS}-token prompt, "
-        "one decode step compared with the eager model",
+        f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
+        f"a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
         "reading the same quantized past (`logits error`, max abs); `bytes` is stored / fp16 bytes of",
         "the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
@@ -449,8 +449,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="model types checked at once")
     parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
     parser.add_argument("--json", help="also write the rows as JSON here")
-    parser.add_argument("--head-dim", type=int, default=TINY["head_dim"],
-                        help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})")  # fmt: skip
+    parser.add_argument(
+        "--head-dim", type=int, default=TINY["head_dim"],
+        help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})",
+    )  # fmt: skip
 
 
 def run(args) -> int:

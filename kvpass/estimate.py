@@ -33,8 +33,9 @@ from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
 from kvpass.config import (
-    MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig, QuantSpec,
-)
+    MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig,
+    QuantSpec,
+)  # fmt: skip
 
 logger = logging.getLogger("kvpass")
 
@@ -461,7 +462,8 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     v_span = _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
     extras = (
-        f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice (a second code plane); "
+        f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "
+        "(a second code plane); "
         f"K's first {k_spec.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
         f"{k_spec.plane_cost(k_spec.sinks, True)} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens; "
         f"of {SHORT_PREFIX_MIN_TOKENS}+, the first token, {k_spec.plane_cost(SHORT_PREFIX_SINKS, False)}); "

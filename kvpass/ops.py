@@ -71,7 +71,8 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`);
     a centered spec passes its stored-domain ``offset [B, H, 1, D]``."""
-    return reference.encode(x.contiguous(), _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip), offset)
+    spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
+    return reference.encode(x.contiguous(), spec, offset)
 
 
 def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool):

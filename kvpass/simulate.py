@@ -64,7 +64,8 @@ class FpTokens:
             sinks = min(taken, stop)
             n_quant = stop - max(start, sinks)
             total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if has_offset else 0)
-            total += (n_quant + spec.refined_tokens(n_quant + sinks, sinks, has_offset)) * spec_bytes_per_token(spec, head_dim)
+            refined = spec.refined_tokens(n_quant + sinks, sinks, has_offset)
+            total += (n_quant + refined) * spec_bytes_per_token(spec, head_dim)
         return total / (stored * 4 * head_dim)
 
 
@@ -85,7 +86,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
         v_spec = k_spec
     k_spec, v_spec = (
-        None if spec is None else spec.for_head_dim(x.shape[-1]) for x, spec in ((key_states, k_spec), (value_states, v_spec))
+        None if spec is None else spec.for_head_dim(x.shape[-1])
+        for x, spec in ((key_states, k_spec), (value_states, v_spec))
     )
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
         prefixes = []
