@@ -107,14 +107,16 @@ def check_quantize_refined() -> bool:
 
 def check_sinks_and_offset(kernels) -> bool:
     """A cache built by appends on CUDA with the default's fp K sinks and K offset (a first append
-    of 64+ tokens; the 3-token one takes neither): the refined quantize op with the offset, and
-    attention reading both, against the reference on the same tensors."""
+    of 64+ tokens; the 40-token one takes one sink and no offset, the 3-token one neither): the
+    refined quantize op with the offset, and attention reading both, against the reference on the
+    same tensors."""
     from kvpass import ops
     from kvpass.packed import PackedKV
 
     ok = True
     k_spec, v_spec = DEFAULT
-    for dtype, past, T in ((torch.float16, 1000, 1), (torch.bfloat16, 300, 16), (torch.float32, 3, 1)):
+    cases = ((torch.float16, 1000, 1), (torch.bfloat16, 300, 16), (torch.float16, 40, 1), (torch.float32, 3, 1))
+    for dtype, past, T in cases:
         shared = 4 * torch.randn(2, 4, 1, 128, device="cuda")
         k = PackedKV.from_float((shared + torch.randn(2, 4, past, 128, device="cuda")).to(dtype), k_spec)
         v = PackedKV.from_float(torch.randn(2, 4, past, 128, device="cuda").to(dtype), v_spec)
@@ -135,6 +137,27 @@ def check_sinks_and_offset(kernels) -> bool:
         ok &= same
         err = (out.float() - expected.float()).abs().max().item()
         print(f"sinks+offset P{past:<5} T{T:<3} {str(dtype)[6:]:8} max err {err:.2e} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
+def check_narrow_heads() -> bool:
+    """Heads of 8 channels (groups over both KV heads, ``span_heads``): the ``kv4::`` ops on CUDA
+    route them to the reference, which must run there and give what it gives on the same tensors."""
+    from kvpass import ops
+
+    ok = True
+    spec = KVConfig().k.for_head_dim(8)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(2, 2, 50, 8, device="cuda") * 3).to(dtype)
+        codes, scales = ops.quantize(x, *ops.codec_args(spec))
+        same = all(torch.equal(a, b) for a, b in zip((codes, scales), reference.encode(x, spec)))
+        q, new = torch.randn(2, 4, 1, 8, device="cuda").to(dtype), torch.randn(2, 2, 1, 8, device="cuda").to(dtype)
+        empty = x[:, :, :0]
+        args = (q, codes, scales, empty, codes, scales, empty, new, new, None, 8**-0.5, False)
+        out = ops.attention(*args, *ops.spec_args(spec), *ops.spec_args(spec))
+        same &= torch.equal(out, reference.attention(*args, spec, spec))
+        ok &= same
+        print(f"narrow heads {spec.tag:24} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
     return ok
 
 
@@ -181,6 +204,7 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
+    ok &= check_narrow_heads()
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 
