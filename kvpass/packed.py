@@ -38,7 +38,8 @@ class PackedKV(torch.Tensor):
 
     * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D
       (signed codes offset by ``2**(bits-1)`` when ``spec.symmetric``, else unsigned);
-    * ``scales``: ``fp16 [B, H, S_q, D // g]`` (``scheme="token"``) or
+    * ``scales``: ``fp16 [B, H, S_q, D // g]`` (``scheme="token"``; ``[B, H // n, S_q, 1]`` when its
+      groups span ``n`` whole heads, ``spec.span_heads``) or
       ``fp16 [B, H, S_q // g, D]`` (``scheme="channel"``); an asymmetric spec
       (``spec.symmetric=False``) adds a trailing dimension of 2, ``[..., 0]`` the scale and
       ``[..., 1]`` the zero point: ``fp16 [B, H, S_q, D // g, 2]`` or
