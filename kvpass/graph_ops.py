@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from kvpass import ops
+from kvpass import ops, reference
 from kvpass.config import QuantSpec
 from kvpass.packed import PackedKV
 
@@ -77,6 +77,9 @@ def kv4_sdpa(
     v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
     if v_heads is not None:
         index = torch.tensor(v_heads, device=q.device)
+        # Groups spanning heads (span_heads) first give each head its own scale row to pick.
+        v_stored[1], v_stored[4] = (None if t is None else reference.per_head_scales(t, v.codes.shape[1])
+                                    for t in (v.scales, v.fine_scales))  # fmt: skip
         v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
     v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
     return ops.attention(

@@ -93,16 +93,17 @@ def test_unknown_model_type_is_named():
         tiny_config("llama9")
 
 
-def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch):
+@pytest.mark.parametrize("model_type", ["llama", "diffllama"])  # DiffLlama's V reads heads picked from a chunk
+def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch, model_type):
     # head_dim 8 (hidden 32), as small test configs have: groups span both KV heads.
     from kvpass import coverage
 
     monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))
     monkeypatch.setattr(coverage, "UNSET", dict(coverage.UNSET))
     coverage.set_head_dim(8)
-    config = tiny_config("llama")
+    config = tiny_config(model_type)
     assert (config.head_dim, config.hidden_size) == (8, 32)
-    row = check_one("llama")
+    row = check_one(model_type)
     assert row["status"] == "rewritten" and row["bytes_ratio"] == 0.312 and row["logits_error"] < 1e-4
     with pytest.raises(ValueError, match="head_dim must be an even int >= 2"):
         coverage.set_head_dim(7)
