@@ -345,9 +345,11 @@ def check_one(model_type: str) -> dict:
             got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
             defaults = backend.config
             # K as kv4 stored it: with V's spec in an MLA latent cache, which nothing attends over as keys.
-            stored_k = next((t.spec for layer in cache.layers if isinstance(t := getattr(layer, "keys", None), PackedKV)),
-                            defaults.k)  # fmt: skip
-            reference = SimulatedKVCache(model.config, stored_k, defaults.v)
+            # Specs are compared per head width: heads under 32 channels store K and V alike.
+            keys = [t for layer in cache.layers if isinstance(t := getattr(layer, "keys", None), PackedKV)]
+            latent = any(t.spec == defaults.v.for_head_dim(t.shape[-1]) != defaults.k.for_head_dim(t.shape[-1])
+                         for t in keys)  # fmt: skip
+            reference = SimulatedKVCache(model.config, defaults.v if latent else defaults.k, defaults.v)
             model(input_ids=ids, past_key_values=reference, use_cache=True)
             expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
             model.compile(backend=kvpass.kv4())
