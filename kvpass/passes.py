@@ -1075,11 +1075,11 @@ def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list
     for role, write, spec in (("K", k, config.k), ("V", v, config.v)):
         heads, dim = _val(write.new).shape[1], _val(write.new).shape[-1]
         narrow_spec = specs[role.lower()] = spec.for_head_dim(dim)
-        if narrow_spec.span_heads:
-            span = f"{narrow_spec.heads_per_group(heads, dim) * dim} values (whole heads)"
-        else:
-            span = f"{spec.token_group(dim)} values"
         if narrow_spec != spec and not _is_static(write):  # slots never take the extras
+            if narrow_spec.span_heads:
+                span = f"{narrow_spec.heads_per_group(heads, dim) * dim} values (whole heads)"
+            else:
+                span = f"{spec.token_group(dim)} values"
             narrow.setdefault(f"head_dim {dim}: one fp16 scale per {span}", []).append(role)
     notes.extend(f"{' and '.join(roles)} {why} leaves no bytes for a second code plane, sinks or offset"
                  for why, roles in narrow.items())  # fmt: skip

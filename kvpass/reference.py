@@ -303,12 +303,13 @@ def _groups(x: torch.Tensor, spec: QuantSpec):
         if S % g:
             raise ValueError(f"per-channel quantization needs whole groups of {g} tokens, got {S} tokens")
         return x.reshape(B, H, S // g, g, D), 3, (lambda p: p[:, :, :, None, :]), (lambda t: t.reshape(B, H, S, D))
-    n = spec.heads_per_group(H, D)
-    if n == 1 and not spec.span_heads:
+    if not spec.span_heads:
         g = spec.token_group(D)
         return x.reshape(B, H, S, D // g, g), 4, (lambda p: p[..., None]), (lambda t: t.reshape(B, H, S, D))
     # One group per token over the channels of n heads: [B, H // n, S, 1, n * D].
+    n = spec.heads_per_group(H, D)
     groups = x.reshape(B, H // n, n, S, D).transpose(2, 3).reshape(B, H // n, S, 1, n * D)
+
     def ungroup(t):  # contiguous, as codes are everywhere else (the reshape may stay a view)
         return t.reshape(B, H // n, S, n, D).transpose(2, 3).reshape(x.shape).contiguous()
 
