@@ -47,8 +47,10 @@ def run_demo(args) -> None:
     model.compile(backend=backend)
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
 
-    fp_bytes = sum(t.numel() * 2 for layer in fp_out.past_key_values.layers for t in (layer.keys, layer.values))
-    stored = sum(t.stored_bytes() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    # Newer transformers name the output's cache `cache` and warn on the old `past_key_values`.
+    fp_cache, cache = (o["cache"] if "cache" in o else o.past_key_values for o in (fp_out, out))
+    fp_bytes = sum(t.numel() * 2 for layer in fp_cache.layers for t in (layer.keys, layer.values))
+    stored = sum(t.stored_bytes() for layer in cache.layers for t in (layer.keys, layer.values))
     # Only the generated tokens: the prompt is equal by construction.
     new, fp_new = out.sequences[0, ids.shape[1] :], fp_out.sequences[0, ids.shape[1] :]
     differs = (new != fp_new).nonzero()
@@ -57,7 +59,7 @@ def run_demo(args) -> None:
           f"{args.prompt_tokens} prompt + {args.new_tokens} generated tokens")  # fmt: skip
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, "
           f"{fp_bytes / stored:.2f}x smaller), counted from the stored tensors")  # fmt: skip
-    print(f"first layer keys: {out.past_key_values.layers[0].keys!r}")
+    print(f"first layer keys: {cache.layers[0].keys!r}")
     print(f"generated tokens equal to the unquantized model's before the first difference: {agreed} of {len(new)} "
           "(random weights give near-flat logits, so an early difference says little)")  # fmt: skip
     print("attention sites of the last compiled graph:")

@@ -9,7 +9,8 @@ others), how many tokens a sliding-window layer keeps, and how many KV heads the
 ``(layers, kv_heads, head_dim)``.
 
 kv4 is costed as the backend's default stores it: 4-bit codes plus, per group, a 16-bit
-scale (and a 16-bit zero point when asymmetric). A per-token group spans
+scale (and a 16-bit zero point when asymmetric); groups still under 16 values (one KV head of 8
+channels) keep 8-bit scales. A per-token group spans
 ``gcd(group, head_dim)`` channels of one token (64 at head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
 channel, and the residual of a K group not full yet (under ``k_group`` tokens per layer) is
 left out, as it is negligible at the context lengths where the cache matters. The newest
@@ -36,12 +37,12 @@ from kvpass.config import (
     MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig,
     QuantSpec,
 )  # fmt: skip
+from kvpass import reference
 
 logger = logging.getLogger("kvpass")
 
 FORMATS = ("fp16", "fp8", "int8", "kv4")
 _FIXED_BITS = {"fp16": 16, "fp8": 8, "int8": 8}
-SCALE_BITS = 16
 # Follow the backend's defaults so the table describes what `kv4()` actually stores.
 _DEFAULT = KVConfig()
 K_GROUP = _DEFAULT.k.group
@@ -115,8 +116,8 @@ def element_bits(
     _check_positive_int("v_group", v_group)
     k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
     return (
-        4 + _group_bits(k_spec) / _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim),
-        4 + _group_bits(v_spec) / _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim),
+        4 + _group_bits(k_spec, sizes.kv_heads, sizes.k_head_dim) / _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim),
+        4 + _group_bits(v_spec, sizes.kv_heads, sizes.v_head_dim) / _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim),
     )
 
 
@@ -128,9 +129,10 @@ def _kv4_specs(sizes: KVSizes, k_group: int, v_group: int) -> tuple[QuantSpec, Q
     )
 
 
-def _group_bits(spec) -> int:
-    """Bits stored once per group: an fp16 scale, and an fp16 zero point if asymmetric."""
-    return SCALE_BITS * (1 if spec.symmetric else 2)
+def _group_bits(spec: QuantSpec, heads: int, head_dim: int) -> int:
+    """Bits stored once per group: a scale (16 bits; 8 in groups under 16 values), and a zero point
+    if asymmetric."""
+    return reference.scale_dtype(spec, heads, head_dim).itemsize * 8 * (1 if spec.symmetric else 2)
 
 
 def _scale_span(spec: QuantSpec, heads: int, head_dim: int) -> int:
@@ -461,6 +463,8 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     k_span = _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim)
     v_span = _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
+    k_scale, v_scale = (_group_bits(spec, sizes.kv_heads, dim) for spec, dim in
+                        ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))  # fmt: skip
     extras = (
         f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "
         "(a second code plane); "
@@ -476,8 +480,9 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         + ", ".join(
             f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
         ),
-        f"kv4: K {k_bits:g} bits/element (scale per {k_span} {k_unit}), "
-        f"V {v_bits:g} bits/element (scale per {v_span} channels per token), " + extras + "fp8/int8 without scales",
+        f"kv4: K {k_bits:g} bits/element ({k_scale} scale bits per {k_span} {k_unit}), "
+        f"V {v_bits:g} bits/element ({v_scale} scale bits per {v_span} channels per token), " + extras
+        + "fp8/int8 without scales",
         *sizes.notes,
     ]
     return "\n".join(lines)

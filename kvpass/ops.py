@@ -88,7 +88,7 @@ def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bo
         scales_shape = (B, H, S // group, D)
     if not symmetric:
         scales_shape = (*scales_shape, 2)  # (scale, zero point)
-    return codes, x.new_empty(scales_shape, dtype=reference.SCALE_DTYPE)
+    return codes, x.new_empty(scales_shape, dtype=reference.scale_dtype(spec, H, D))
 
 
 @quantize.register_fake

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import math
 
@@ -39,7 +41,8 @@ class PackedKV(torch.Tensor):
     * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D
       (signed codes offset by ``2**(bits-1)`` when ``spec.symmetric``, else unsigned);
     * ``scales``: ``fp16 [B, H, S_q, D // g]`` (``scheme="token"``; ``[B, H // n, S_q, 1]`` when its
-      groups span ``n`` whole heads, ``spec.span_heads``) or
+      groups span ``n`` whole heads, ``spec.span_heads``, and ``uint8``, 8-bit scales, where that is
+      still under 16 values: :func:`kvpass.reference.scale_dtype`) or
       ``fp16 [B, H, S_q // g, D]`` (``scheme="channel"``); an asymmetric spec
       (``spec.symmetric=False``) adds a trailing dimension of 2, ``[..., 0]`` the scale and
       ``[..., 1]`` the zero point: ``fp16 [B, H, S_q, D // g, 2]`` or
@@ -375,6 +378,7 @@ def _grow(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     row_bytes = past.stride(2) * past.element_size()
     storage = past.untyped_storage()
     if storage.nbytes() < (end + new.shape[2]) * row_bytes:
+        _release_freed_heap(past.device)
         storage.resize_(_capacity(end + new.shape[2]) * row_bytes)
     shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
     out = past.as_strided(shape, past.stride(), past.storage_offset())
@@ -382,9 +386,32 @@ def _grow(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the process's C library has none."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows has no CDLL(None)
+        return None
+
+
+def _release_freed_heap(device: torch.device) -> None:
+    """Before allocating a storage as large as a cache's: hand the heap's free pages back to the OS.
+
+    glibc keeps freed heap memory resident, and after freeing a large storage it serves more of the
+    per-step temporaries from its heap (its mmap threshold rises to that size). A regrowth's copy
+    then lands on top of that retained memory; trimming first keeps the copy the only addition to
+    the process's peak (``docs/bench-memory.md``: 162-176 MiB instead of 176-196 MiB at 16K, batch
+    4). A few microseconds, once per regrowth."""
+    trim = _malloc_trim() if device.type == "cpu" else None
+    if trim is not None:
+        trim(0)
+
+
 def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``cat([past, new], dim=2)`` in a fresh sequence-major storage with spare rows."""
     length = past.shape[2] + new.shape[2]
+    _release_freed_heap(past.device)
     rows = past.new_empty((_capacity(length), *past.shape[:2], *past.shape[3:]))
     out = rows.movedim(0, 2)[:, :, :length]
     out[:, :, : past.shape[2]].copy_(past)

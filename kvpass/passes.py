@@ -66,7 +66,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from kvpass import graph_ops
+from kvpass import graph_ops, reference
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
@@ -1080,7 +1080,8 @@ def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list
                 span = f"{narrow_spec.heads_per_group(heads, dim) * dim} values (whole heads)"
             else:
                 span = f"{spec.token_group(dim)} values"
-            narrow.setdefault(f"head_dim {dim}: one fp16 scale per {span}", []).append(role)
+            scale = "fp16" if reference.scale_dtype(narrow_spec, heads, dim) == reference.SCALE_DTYPE else "8-bit"
+            narrow.setdefault(f"head_dim {dim}: one {scale} scale per {span}", []).append(role)
     notes.extend(f"{' and '.join(roles)} {why} leaves no bytes for a second code plane, sinks or offset"
                  for why, roles in narrow.items())  # fmt: skip
     return dataclasses.replace(config, **specs)

@@ -41,7 +41,9 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
 * codes, both schemes: ``uint8 [B, H, S, D * bits // 8]``
 * scales, ``scheme="token"``: ``fp16 [B, H, S, D // g]``
 * scales, ``scheme="token"`` with ``span_heads``: ``fp16 [B, H // n, S, 1]``, one group per token
-  over all channels of ``n = spec.heads_per_group(H, D)`` consecutive heads
+  over all channels of ``n = spec.heads_per_group(H, D)`` consecutive heads; where that is still
+  under 16 values (one KV head of 8 channels), symmetric scales are ``float8_e5m2`` instead
+  (:func:`scale_dtype`): everything above holds with that dtype in place of fp16
 * scales, ``scheme="channel"``: ``fp16 [B, H, S // g, D]`` (S a multiple of g)
 * asymmetric: the scales tensor gains a trailing dimension of 2, ``[..., 0]`` the scale and
   ``[..., 1]`` the zero point: ``fp16 [B, H, S, D // g, 2]`` or ``fp16 [B, H, S // g, D, 2]``.
@@ -61,9 +63,38 @@ import math
 
 import torch
 
-from kvpass.config import CENTER_SKIP, CENTER_TOKENS, QuantSpec
+from kvpass.config import CENTER_SKIP, CENTER_TOKENS, MIN_HEAD_GROUP, QuantSpec
 
 SCALE_DTYPE = torch.float16
+# Scales of groups narrower than MIN_HEAD_GROUP values (one KV head of 8 channels, nothing to
+# span) are float8_e5m2 numbers: fp16's sign, exponent and top two mantissa bits. An fp16 scale per
+# 8 values would cost 2 bits per value; this one costs 1, with fp16's range and a step up to 25%
+# coarser. They are held as their bits in uint8, which torch's CPU kernels (gather, index_copy) and
+# opcheck's comparisons support and float8 does not; :func:`scale_values` reads either kind.
+NARROW_SCALE_DTYPE = torch.uint8
+_NARROW_SCALE_FORMAT = torch.float8_e5m2
+
+
+def scale_dtype(spec: QuantSpec, heads: int, head_dim: int) -> torch.dtype:
+    """The dtype of ``spec``'s stored scales for ``heads`` KV heads of ``head_dim`` channels: fp16,
+    or ``NARROW_SCALE_DTYPE`` (8-bit scales) for symmetric groups spanning whole heads that still
+    hold fewer than ``MIN_HEAD_GROUP`` values."""
+    narrow = spec.span_heads and spec.symmetric and spec.heads_per_group(heads, head_dim) * head_dim < MIN_HEAD_GROUP
+    return NARROW_SCALE_DTYPE if narrow else SCALE_DTYPE
+
+
+def _stored_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``values`` rounded to the nearest scale of stored ``dtype``."""
+    if dtype == NARROW_SCALE_DTYPE:
+        return values.to(_NARROW_SCALE_FORMAT).view(NARROW_SCALE_DTYPE)
+    return values.to(dtype)
+
+
+def scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """Stored scales (or zero points) as fp32 numbers."""
+    if scales.dtype == NARROW_SCALE_DTYPE:
+        return scales.view(_NARROW_SCALE_FORMAT).float()
+    return scales.float()
 
 
 # --- packing ---------------------------------------------------------------------------
@@ -124,13 +155,15 @@ def _unpacked_float(packed: torch.Tensor, bits: int, symmetric: bool) -> torch.T
 # --- scales ----------------------------------------------------------------------------
 
 
-def _group_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
-    scale = (amax.float() / qmax).to(SCALE_DTYPE)
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+def _group_scale(amax: torch.Tensor, qmax: int, dtype: torch.dtype) -> torch.Tensor:
+    scale = _stored_scales(amax.float() / qmax, dtype)
+    return torch.where(torch.isfinite(amax), scale, _stored_scales(torch.tensor(float("nan")), dtype))
 
 
 def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: int) -> torch.Tensor:
-    safe = torch.where((scale == 0) | scale.isnan(), 1.0, scale.float())
+    """Codes of ``x`` with stored ``scale`` (broadcast to it)."""
+    scale = scale_values(scale)
+    safe = torch.where((scale == 0) | scale.isnan(), 1.0, scale)
     return torch.clamp(torch.round(x.float() / safe), code_min, code_max).to(torch.int8)
 
 
@@ -152,8 +185,8 @@ CLIP_ERROR_UNIT = 2.0**20
 CLIP_SLICE_ELEMENTS = 2**18
 
 
-def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
-    """The fp16 scale per group (``dim`` reduced) with the least squared error on the grid
+def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype) -> torch.Tensor:
+    """The scale per group (``dim`` reduced), in ``dtype``, with the least squared error on the grid
     ``-(qmax+1)..qmax``; the first candidate wins a tie."""
     x = groups.float().movedim(dim, -1)
     rows = x.reshape(-1, x.shape[-1])
@@ -161,7 +194,7 @@ def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int) -> torch.Tensor:
     # op per candidate would cost more than the quantization), in slices that bound memory.
     per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
     parts = rows.split(per_slice)
-    best = torch.cat([_least_error_scale(part, qmax) for part in parts]) if len(parts) > 1 else _least_error_scale(rows, qmax)
+    best = torch.cat([_least_error_scale(part, qmax, dtype) for part in parts]) if len(parts) > 1 else _least_error_scale(rows, qmax, dtype)
     return best.reshape(x.shape[:-1])
 
 
@@ -173,13 +206,13 @@ def _signed_divisors(qmax: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([sign * t for t in clip_divisors(qmax) for sign in (1.0, -1.0)], device=device)
 
 
-def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
-    """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` fp16."""
+def _least_error_scale(rows: torch.Tensor, qmax: int, dtype: torch.dtype) -> torch.Tensor:
+    """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` in ``dtype``."""
     amax = rows.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(amax)
     unit = torch.where(finite & (amax != 0), amax, 1.0)
-    candidates = (amax / _signed_divisors(qmax, rows.device)).to(SCALE_DTYPE)  # [N, candidates]
-    scale = candidates.float()[:, :, None]
+    candidates = scale_values(_stored_scales(amax / _signed_divisors(qmax, rows.device), dtype))  # [N, candidates]
+    scale = candidates[:, :, None]
     # Only a zero candidate needs a safe divisor: a non-finite row's codes are never used.
     codes = torch.clamp(torch.round(rows[:, None, :] / torch.where(scale == 0, 1.0, scale)), -qmax - 1, qmax)
     # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
@@ -187,7 +220,7 @@ def _least_error_scale(rows: torch.Tensor, qmax: int) -> torch.Tensor:
     units = (e * e * CLIP_ERROR_UNIT + 0.5).floor_()
     chosen = units.to(torch.int64).sum(-1).argmin(-1, keepdim=True)  # argmin: the first of equal minima
     best = candidates.gather(1, chosen).squeeze(1)
-    return torch.where(finite.squeeze(1), best, float("nan"))
+    return _stored_scales(torch.where(finite.squeeze(1), best, float("nan")), dtype)
 
 
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
@@ -210,13 +243,16 @@ def _asym_codes_from(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, c
     return torch.where(empty, torch.zeros_like(codes), codes).to(torch.uint8)
 
 
-def _fp16_ulp(v: torch.Tensor) -> torch.Tensor:
-    """Spacing of fp16 numbers at ``|v|`` (``2**-24`` in the subnormal range and at 0)."""
-    a = v.float().abs()
+def _ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of stored scales' (or zero points') numbers at ``|v|``: the smallest subnormal
+    (``2**-24`` for fp16) in the subnormal range and at 0."""
+    info = torch.finfo(_NARROW_SCALE_FORMAT if v.dtype == NARROW_SCALE_DTYPE else v.dtype)
+    smallest = info.tiny * info.eps
+    a = scale_values(v).abs()
     return torch.where(
         a > 0,
-        torch.exp2(torch.floor(torch.log2(a.clamp_min(2.0**-24))) - 10).clamp_min(2.0**-24),
-        torch.full_like(a, 2.0**-24),
+        (torch.exp2(torch.floor(torch.log2(a.clamp_min(smallest)))) * info.eps).clamp_min(smallest),
+        torch.full_like(a, smallest),
     )
 
 
@@ -246,14 +282,14 @@ def error_bound(scale: torch.Tensor, spec: QuantSpec, zero: torch.Tensor | None 
     if spec.clip:
         # Unclamped: |s| / 2. Clamped at qmax: |x| - qmax |s| with |x| <= amax <= t (|s| + ulp / 2).
         t = clip_divisors(spec.qmax)[-1]
-        magnitude = scale.float().abs()
-        return torch.maximum(magnitude / 2, (t - spec.qmax) * magnitude) + t * _fp16_ulp(scale) / 2
-    bound = scale.float() / 2 + spec.code_max * _fp16_ulp(scale) / 2
+        magnitude = scale_values(scale).abs()
+        return torch.maximum(magnitude / 2, (t - spec.qmax) * magnitude) + t * _ulp(scale) / 2
+    bound = scale_values(scale) / 2 + spec.code_max * _ulp(scale) / 2
     if spec.symmetric:
         return bound
     if zero is None:
         raise ValueError("an asymmetric spec's error bound needs the zero points")
-    return bound + _fp16_ulp(zero) / 2
+    return bound + _ulp(zero) / 2
 
 
 # --- rotation --------------------------------------------------------------------------
@@ -340,7 +376,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
         return _quantize_asym(x, spec)
     qmax = spec.qmax
     groups, dim, expand, ungroup = _groups(x, spec)
-    scale = _clipped_scale(groups, dim, qmax) if spec.clip else _group_scale(groups.abs().amax(dim), qmax)
+    dtype = scale_dtype(spec, x.shape[1], x.shape[3])
+    scale = _clipped_scale(groups, dim, qmax, dtype) if spec.clip else _group_scale(groups.abs().amax(dim), qmax, dtype)
     codes = ungroup(_codes_from(groups, expand(scale), spec.code_min, spec.code_max))
     return pack_codes(codes, spec.bits), scale
 
@@ -355,13 +392,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype
         q = q.reshape(B, H, S, D // g, g)
 
         def expand(p):
-            return p.float()[..., None].expand_as(q)
+            return scale_values(p)[..., None].expand_as(q)
     else:
         g = spec.group
         q = q.reshape(B, H, S // g, g, D)
 
         def expand(p):
-            return p.float()[:, :, :, None, :].expand_as(q)
+            return scale_values(p)[:, :, :, None, :].expand_as(q)
 
     # Explicitly expanded operands take torch's fast elementwise path; a size-1 broadcast
     # dimension in the middle is several times slower on CPU.
@@ -416,14 +453,14 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
     if spec.scheme == "token":
 
         def expand(p):
-            return p.float()[..., None].expand_as(q)
+            return scale_values(p)[..., None].expand_as(q)
     else:
         g = spec.group
         q = q.view(B, H, S // g, g, D)
         order = field_order(D, spec, codes.device)
 
         def expand(p):
-            return p.float()[..., order][:, :, :, None, :].expand_as(q)
+            return scale_values(p)[..., order][:, :, :, None, :].expand_as(q)
 
     q.mul_(expand(scale))
     if zero is not None:

@@ -6,11 +6,11 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from kvpass.packed import PackedKV
 
 
-def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0):
+def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0, kv_heads=2):
     """A tiny Llama whose head_dim is realistic, so scale overhead is what it is at scale."""
     cfg = LlamaConfig(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
+        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=2048,
         eos_token_id=None, pad_token_id=0, bos_token_id=1,
     )  # fmt: skip
     with torch.random.fork_rng(devices=[]):

@@ -37,14 +37,14 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
 
 
 @pytest.mark.parametrize(
-    "head_dim, ratio, note",
-    [(8, 0.3125, "one fp16 scale per 16 values (whole heads)"), (16, 0.3125, "one fp16 scale per 16 values"),
-     (32, None, None)],
+    "head_dim, kv_heads, ratio, note",
+    [(8, 2, 0.3125, "one fp16 scale per 16 values (whole heads)"), (16, 2, 0.3125, "one fp16 scale per 16 values"),
+     (8, 1, 0.3125, "one 8-bit scale per 8 values (whole heads)"), (32, 2, None, None)],
 )  # fmt: skip
-def test_small_heads_store_plain_groups_and_say_so(head_dim, ratio, note):
+def test_small_heads_store_plain_groups_and_say_so(head_dim, kv_heads, ratio, note):
     # A 70-token prompt takes sinks and an offset where the head is wide enough to pay for them.
     torch._dynamo.reset()
-    model = kv_heavy_llama(head_dim=head_dim)
+    model = kv_heavy_llama(head_dim=head_dim, kv_heads=kv_heads)
     backend = kvpass.kv4()
     model.compile(backend=backend)
     out = model.generate(_ids(70), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
@@ -55,7 +55,7 @@ def test_small_heads_store_plain_groups_and_say_so(head_dim, ratio, note):
         assert not any("no bytes" in note for note in notes)
     else:
         # int4 codes and an fp16 scale per 16 values (at head_dim 8, one token's channels in both KV
-        # heads), nothing else: 5 bits of 16.
+        # heads) or, with one KV head of 8, an 8-bit scale per 8 values; nothing else: 5 bits of 16.
         assert stored == ratio * fp16
         assert all(f"K and V head_dim {head_dim}: {note} leaves no bytes" in reason for reason in notes)
 

@@ -86,6 +86,10 @@ def test_kv4_heads_under_32_channels_store_no_extras():
     # head_dim 16: codes and an fp16 scale per 16 values, no second plane, sinks or offset.
     assert kv_cache_bytes((2, 2, 16), "kv4", 1000) == kv_cache_bytes((2, 2, 16), "fp16", 1000) * 5 / 16
     assert kv_cache_bytes((2, 2, 32), "kv4", 1000) > kv_cache_bytes((2, 2, 32), "fp16", 1000) * 4.5 / 16
+    # head_dim 8: a scale per token over both KV heads (16 bits per 16 values), or over the one KV
+    # head in 8 bits (8 per 8 values).
+    for kv_heads in (2, 1):
+        assert kv_cache_bytes((2, kv_heads, 8), "kv4", 1000) == kv_cache_bytes((2, kv_heads, 8), "fp16", 1000) * 5 / 16
 
 
 def test_kv4_groups_overridable():

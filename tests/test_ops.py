@@ -57,6 +57,20 @@ def test_opcheck_attention(specs, past, new, mask):
     torch.library.opcheck(ops.attention, _attention_args(past, new, specs, mask))
 
 
+def test_opcheck_with_8_bit_scales():
+    # One KV head of 8 channels: groups of 8 values keep e5m2 scales (reference.scale_dtype).
+    spec = QuantSpec(4, "token", 64, rotate=True, clip=True, span_heads=True)
+    x = torch.randn(2, 1, 40, 8)
+    torch.library.opcheck(ops.quantize, (x, *ops.codec_args(spec)))
+    codes, scales = ops.quantize(x, *ops.codec_args(spec))
+    assert scales.dtype == torch.uint8  # float8_e5m2's bits
+    torch.library.opcheck(ops.dequantize, (codes, scales, x[:, :, :3], *ops.spec_args(spec)))
+    k_codes, k_scales = ops.quantize(x.flip(2), *ops.codec_args(spec))
+    q, new = torch.randn(2, 4, 3, 8), torch.randn(2, 1, 3, 8)
+    args = (q, k_codes, k_scales, new[:, :, :0], codes, scales, new[:, :, :0], new, new.flip(3), None, 0.35, True)
+    torch.library.opcheck(ops.attention, (*args, *ops.spec_args(spec), *ops.spec_args(spec)))
+
+
 def test_opcheck_with_second_code_planes():
     """A refined spec's planes ride as optional trailing tensors of dequantize and attention."""
     from kvpass.packed import PackedKV

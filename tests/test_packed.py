@@ -3,12 +3,13 @@
 import dataclasses
 import io
 import logging
+import platform
 
 import pytest
 import torch
 
 from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, QuantSpec
-from kvpass import reference
+from kvpass import packed, reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
 
@@ -483,3 +484,9 @@ def test_sinks_and_center_settings_are_checked_and_static_caches_strip_them():
     assert SINKS_CENTERED.for_slots == dataclasses.replace(SINKS_CENTERED, refine=0, sinks=0, center=False)
     with pytest.raises(ValueError, match="preallocated"):
         PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", SINKS_CENTERED)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_regrowth_can_return_freed_heap_memory_on_glibc():
+    # Without it a CPU regrowth's copy lands on top of the freed memory glibc keeps (docs/bench-memory.md).
+    assert packed._malloc_trim() is not None

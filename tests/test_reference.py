@@ -340,6 +340,26 @@ def test_groups_spanning_heads_take_one_tokens_channels_in_n_heads(spec, H, D, n
     assert torch.equal(R.dequantize_field_major(codes, scales, spec), y[..., order])
 
 
+def test_groups_under_16_values_keep_8_bit_scales_within_their_bound():
+    # One KV head of 8 channels: nothing to span, so the scale shrinks instead (e5m2, 1 bit per value).
+    absmax, clipped = QuantSpec(4, "token", 64, span_heads=True), QuantSpec(4, "token", 64, span_heads=True, clip=True)
+    assert R.scale_dtype(absmax, 1, 8) == torch.uint8  # float8_e5m2's bits
+    assert R.scale_dtype(absmax, 2, 8) == R.scale_dtype(absmax, 1, 16) == torch.float16  # 16 values
+    assert R.scale_dtype(dataclasses.replace(absmax, symmetric=False), 1, 8) == torch.float16  # zero points need fp16
+    torch.manual_seed(0)
+    x = torch.randn(3, 1, 200, 8) * torch.logspace(-3, 3, 200)[:, None]  # fp16's range, both ends
+    errors = {}
+    for spec in (absmax, clipped):
+        codes, scales = R.quantize(x, spec)
+        assert scales.dtype == torch.uint8 and scales.shape == (3, 1, 200, 1)
+        y = R.dequantize(codes, scales, spec)
+        assert ((x - y).abs() <= R.error_bound(scales.expand_as(x), spec)).all()
+        errors[spec.clip] = ((x - y) / x.abs().amax(-1, keepdim=True)).square().mean()
+    amax = x.abs().amax(-1, keepdim=True)
+    assert torch.equal(R.scale_values(R.quantize(x, absmax)[1]), (amax / 7).to(torch.float8_e5m2).float())
+    assert errors[True] < errors[False]  # the least-error search still pays off on the coarser grid
+
+
 def test_span_heads_needs_per_token_groups_and_round_trips_its_tag():
     spec = QuantSpec(4, "token", 64, rotate=True, clip=True, span_heads=True)
     assert spec.tag == "int4:token:64:rot:mse:heads" and QuantSpec.from_tag(spec.tag) == spec
