@@ -641,7 +641,10 @@ def _fallback(func, args, kwargs):
     tracing = any(isinstance(a, PackedKV) and isinstance(a.codes, FakeTensor) for a in args)
     if name not in _warned_fallback_ops and not tracing:
         _warned_fallback_ops.add(name)
-        log.warning("kvpass: %s has no int4 implementation; computing it on the dequantized cache", name)
+        log.warning(
+            "kvpass: %s has no int4 implementation; computing it on the dequantized cache (a kv4 cache read "
+            "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)", name
+        )  # fmt: skip
 
     def plain(x):
         return x.dequantize() if isinstance(x, PackedKV) else x

@@ -120,6 +120,23 @@ def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
     assert torch.equal(loop_tokens, generated)
 
 
+def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(monkeypatch, caplog):
+    # Prompts of 12, 40 and 100 tokens (no sinks, one, four and an offset) compile more graphs than
+    # Dynamo's default limit of 8; every step must still run in kv4 graphs, never eagerly on a
+    # dequantized cache.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    model = kv_heavy_llama(head_dim=128)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        for n in (12, 40, 100):
+            model.generate(_ids(n), max_new_tokens=20, do_sample=False)
+    assert len(backend.graphs) > 8
+    assert "no int4 implementation" not in caplog.text
+    assert torch._dynamo.config.recompile_limit == kvpass.backend.RECOMPILE_LIMIT
+
+
 def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     torch._dynamo.reset()
     backend = kvpass.kv4()
