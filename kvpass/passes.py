@@ -344,8 +344,9 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
             raise NoMatch(f"{role} buffer {buffer.name} is allocated in the graph but not kept by the cache")
     elif not isinstance(_val(buffer), PackedKV):
         raise NoMatch(
-            f"{role} static cache buffer {buffer.name} is fp, allocated before compilation (a plain StaticCache "
-            "whose first forward ran eagerly); for int4 layers pass "
+            f"{role} static cache buffer {buffer.name} is fp, allocated before this graph: by a first forward that "
+            "ran eagerly (a plain StaticCache under generate's compile_config), or by a compiled one whose site "
+            "stayed fp16 (its reason is in that graph's site table); for int4 layers pass "
             "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len), or call "
             "kvpass.int4_static_caches(model) before generate(cache_implementation='static')"
         )
