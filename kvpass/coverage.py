@@ -362,6 +362,9 @@ def check_one(model_type: str) -> dict:
     tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)]
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     reasons = sorted({site.reason for site in sites if not site.rewritten})
+    if len(packed) < len(tensors) and rewritten == len(sites):
+        reasons.append(f"{len(tensors) - len(packed)} of {len(tensors)} cache tensors stayed fp16 with every site seen "
+                       "rewritten: their layers ran outside kv4 graphs")  # fmt: skip
     if not sites:
         status, reasons = "no site found", ["no SDPA or eager attention found in the graphs"]
     elif rewritten == len(sites) and len(packed) == len(tensors):

@@ -115,9 +115,9 @@ def element_bits(
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
     k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
-    return (
-        4 + _group_bits(k_spec, sizes.kv_heads, sizes.k_head_dim) / _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim),
-        4 + _group_bits(v_spec, sizes.kv_heads, sizes.v_head_dim) / _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim),
+    return tuple(
+        4 + _group_bits(spec, sizes.kv_heads, dim) / _scale_span(spec, sizes.kv_heads, dim)
+        for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
     )
 
 

@@ -194,7 +194,10 @@ def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype
     # op per candidate would cost more than the quantization), in slices that bound memory.
     per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
     parts = rows.split(per_slice)
-    best = torch.cat([_least_error_scale(part, qmax, dtype) for part in parts]) if len(parts) > 1 else _least_error_scale(rows, qmax, dtype)
+    if len(parts) > 1:
+        best = torch.cat([_least_error_scale(part, qmax, dtype) for part in parts])
+    else:
+        best = _least_error_scale(rows, qmax, dtype)
     return best.reshape(x.shape[:-1])
 
 
