@@ -42,8 +42,9 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
 * scales, ``scheme="token"``: ``fp16 [B, H, S, D // g]``
 * scales, ``scheme="token"`` with ``span_heads``: ``fp16 [B, H // n, S, 1]``, one group per token
   over all channels of ``n = spec.heads_per_group(H, D)`` consecutive heads; where that is still
-  under 16 values (one KV head of 8 channels), symmetric scales are ``float8_e5m2`` instead
-  (:func:`scale_dtype`): everything above holds with that dtype in place of fp16
+  under 16 values (one KV head of 8 channels), symmetric scales are 8-bit, ``float8_e5m2`` numbers
+  held as ``uint8`` (:func:`scale_dtype`, :func:`scale_values`): everything above holds with that
+  format in place of fp16
 * scales, ``scheme="channel"``: ``fp16 [B, H, S // g, D]`` (S a multiple of g)
 * asymmetric: the scales tensor gains a trailing dimension of 2, ``[..., 0]`` the scale and
   ``[..., 1]`` the zero point: ``fp16 [B, H, S, D // g, 2]`` or ``fp16 [B, H, S // g, D, 2]``.
@@ -156,8 +157,7 @@ def _unpacked_float(packed: torch.Tensor, bits: int, symmetric: bool) -> torch.T
 
 
 def _group_scale(amax: torch.Tensor, qmax: int, dtype: torch.dtype) -> torch.Tensor:
-    scale = _stored_scales(amax.float() / qmax, dtype)
-    return torch.where(torch.isfinite(amax), scale, _stored_scales(torch.tensor(float("nan")), dtype))
+    return _stored_scales(torch.where(torch.isfinite(amax), amax.float() / qmax, float("nan")), dtype)
 
 
 def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: int) -> torch.Tensor:
