@@ -23,11 +23,17 @@ CENTER_TOKENS = 64
 # poor offset.
 PREFIX_MIN_TOKENS = 64
 # A shorter prompt of at least this many tokens still keeps its first token as an fp sink (no
-# offset): one 16-bit row, paid for by 3 refined tokens, keeps a cache of 16 tokens under 0.33x
-# fp16, and the first token (BOS) is the sink every later query reads most. Decode steps from
-# an empty cache, or a prompt under 16 tokens, take nothing.
-SHORT_PREFIX_MIN_TOKENS = 16
+# offset): the first token (BOS) is the sink every later query reads most, and Gemma 3 loses 3x
+# less after an 8-token prompt with it. One 16-bit row, paid for by 3 refined tokens, keeps every
+# cache from a 6-token prompt on under 0.345x fp16 at head_dim 32 (0.33x at 64); from 5 tokens it
+# would be 0.353x. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
+SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
+# That sink gives up one refined token, not the 3 its bytes are worth: a short cache's plane is a few
+# tokens long, and on Gemma 3 after 8-token prompts paying 3 lost +6.3% / +2.4% where paying 1 lost
+# +4.1% / +1.7% (KJV / code, docs/eval.md). One still keeps the 8-token cache, the worst case, under
+# 0.35x; from then on the sink costs 2 int4 tokens' bytes, 0.0001x fp16 at 4K.
+SHORT_PREFIX_PLANE_COST = 1
 # Heads narrower than this (test-size models) spend a bit or more per value on fp16 scales: with a
 # second code plane, fp sinks or an offset on top, a short cache would store more than 0.35x fp16,
 # so they keep plain groups (:meth:`QuantSpec.for_head_dim`).
@@ -88,10 +94,10 @@ class QuantSpec:
     torch reference stores and reads it on every device.
 
     Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more;
-    one of 16 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
-    what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset, 3 for
-    one sink) for as long as it holds them or its offset, so from 128 tokens on it stores no more
-    than it would without them.
+    one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
+    what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset, 1 for
+    one sink) for as long as it holds them or its offset, so from 128 tokens on a long prompt's cache
+    stores no more than it would without them (a short prompt's, 2 int4 tokens more).
     """
 
     bits: int = 4
@@ -254,12 +260,13 @@ class QuantSpec:
     def plane_cost(self, n_head: int, has_offset: bool) -> int:
         """Refined tokens a cache holding ``n_head`` fp sinks (and an offset, if ``has_offset``) gives
         up: as many as those 16-bit rows (beyond the codes the sinks replace) take in quantized tokens'
-        bytes, 15 for int4 in groups of 64 with 4 sinks and an offset. The offset outlives a sliding
-        window's eviction of the sinks it came with and keeps paying for all of them: the plane cannot
-        regain rows it dropped."""
+        bytes, 15 for int4 in groups of 64 with 4 sinks and an offset; a short prompt's one sink and no
+        offset, at most ``SHORT_PREFIX_PLANE_COST``. The offset outlives a sliding window's eviction of
+        the sinks it came with and keeps paying for all of them: the plane cannot regain rows it dropped."""
         group_bits = self.bits * self.group + 16 * (1 if self.symmetric else 2)  # a token's bits per group
         sinks = self.sinks if has_offset else n_head
-        return -(-(sinks * (16 * self.group - group_bits) + 16 * self.group * has_offset) // group_bits)
+        cost = -(-(sinks * (16 * self.group - group_bits) + 16 * self.group * has_offset) // group_bits)
+        return cost if has_offset or n_head > SHORT_PREFIX_SINKS else min(cost, SHORT_PREFIX_PLANE_COST)
 
     def refined_tokens(self, stored: int, n_head: int = 0, has_offset: bool = False):
         """How many of the newest quantized tokens of a cache holding ``stored`` tokens (sinks

@@ -70,9 +70,11 @@ def test_kv4_ratio_head_dim_128():
     k_extra = 49 * 128 * 4.25 / 8 + 4 * 128 * (16 - 4.25) / 8 + 128 * 2
     v_extra = 64 * 128 * 4.25 / 8
     assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 32 * 8 * (k_extra + v_extra)
-    assert kv_cache_bytes((32, 8, 128), "kv4", 12) == 12 * 34816 + 32 * 8 * 2 * 1 * 128 * 4.25 / 8  # no sinks
-    # 16 to 63 tokens: K keeps its first token in fp16 for 3 of its 4 refined tokens
-    k_extra = 1 * 128 * 4.25 / 8 + 1 * 128 * (16 - 4.25) / 8
+    assert kv_cache_bytes((32, 8, 128), "kv4", 5) == 5 * 34816  # no sinks, and no plane under 8 tokens
+    # 6 to 63 tokens: K keeps its first token in fp16 for 1 of its min(64, tokens / 8) refined tokens
+    k_sink = 1 * 128 * (16 - 4.25) / 8
+    assert kv_cache_bytes((32, 8, 128), "kv4", 12) == 12 * 34816 + 32 * 8 * (k_sink + 1 * 128 * 4.25 / 8)
+    k_extra = 3 * 128 * 4.25 / 8 + k_sink
     assert kv_cache_bytes((32, 8, 128), "kv4", 32) == 32 * 34816 + 32 * 8 * (k_extra + 4 * 128 * 4.25 / 8)
 
 

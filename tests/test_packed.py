@@ -423,7 +423,7 @@ def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_
         p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
         assert p.n_head == 1 and p.codes.shape[2] == 89 and p.offset.shape[2] == 0
         assert torch.equal(p.head, reference.rotate(x[:, :, :1]).bfloat16())
-        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 1) == 11 - 3  # one sink, paid for
+        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 1) == 11 - 1  # one sink, paid for
         torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=1), rtol=0, atol=0)
     q = PackedKV.from_float(x[:, :, :PREFIX_MIN_TOKENS], SINKS_CENTERED).append(x[:, :, PREFIX_MIN_TOKENS:])
     assert q.n_head == 4 and q.codes.shape[2] == 86
@@ -442,7 +442,7 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
     spec = dataclasses.replace(SINKS_CENTERED, refine=64)
     assert spec.plane_cost(4, True) == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
     assert spec.plane_cost(0, True) == 15  # an offset outlives its evicted sinks and goes on paying for them
-    assert spec.plane_cost(1, False) == 3  # a short prompt's one sink: 11.75 / 4.25
+    assert spec.plane_cost(1, False) == 1  # a short prompt's one sink: 1 of the 3 (11.75 / 4.25) it is worth
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         x = torch.randn(1, 2, tokens, 64, dtype=dtype)
         with_prefix = PackedKV.from_float(x, spec)
@@ -451,6 +451,23 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
         assert with_prefix.fine_codes.shape[2] == max(0, min(64, tokens // 8) - 15)
         if tokens >= 128:  # the plane is long enough to pay in full
             assert with_prefix.stored_bytes() <= without.stored_bytes()
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim):
+    # The default's K and V after every prompt of up to 24 tokens and each of 24 decode steps (the
+    # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16.
+    from kvpass.config import KVConfig
+
+    specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
+    worst = 0.0
+    for prompt in range(1, 25):
+        k, v = (PackedKV.from_float(torch.randn(1, 2, prompt, head_dim, dtype=torch.float16), s) for s in specs)
+        assert k.n_head == (prompt >= SHORT_PREFIX_MIN_TOKENS)
+        for _ in range(24):
+            worst = max(worst, (k.stored_bytes() + v.stored_bytes()) / (2 * k.numel() * 2))
+            k, v = (t.append(torch.randn(1, 2, 1, head_dim, dtype=torch.float16)) for t in (k, v))
+    assert worst <= 0.35
 
 
 def test_sinks_leave_with_a_sliding_window_and_crops_cut_into_them():
