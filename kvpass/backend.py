@@ -38,7 +38,28 @@ class CompiledGraph:
 RECOMPILE_LIMIT = 64
 
 
+class _RecompileLimitWatch(logging.Filter):
+    """Says what Dynamo's recompile-limit warning means for kv4 caches; passes every record on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Dynamo offers no hook for this; its own warning names the function and the limit.
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
+            log.warning(
+                "kvpass: %s. From now on that function's calls that need a new graph run uncompiled: KV caches "
+                "they create stay fp16, and kv4 caches are read dequantized (correct, but neither kv4's memory "
+                "nor its speed). Raise torch._dynamo.config.recompile_limit (kvpass sets at least %d).",
+                record.getMessage().splitlines()[0], RECOMPILE_LIMIT,
+            )  # fmt: skip
+        return True
+
+
+@functools.cache
+def _watch_recompile_limit() -> None:
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(_RecompileLimitWatch())
+
+
 def _allow_recompiles() -> None:
+    _watch_recompile_limit()
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         log.info("kvpass: raising torch._dynamo.config.recompile_limit from %d to %d (kv4 caches take more "
                  "shapes than fp caches)", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)  # fmt: skip

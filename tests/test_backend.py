@@ -121,7 +121,7 @@ def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
 
 
 def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(monkeypatch, caplog):
-    # Prompts of 12, 40 and 100 tokens (no sinks, one, four and an offset) compile more graphs than
+    # Prompts of 5, 40 and 100 tokens (no sinks, one, four and an offset) compile more graphs than
     # Dynamo's default limit of 8; every step must still run in kv4 graphs, never eagerly on a
     # dequantized cache.
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
@@ -130,11 +130,24 @@ def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(monkeyp
     backend = kvpass.kv4()
     model.compile(backend=backend)
     with caplog.at_level(logging.WARNING, logger="kvpass"):
-        for n in (12, 40, 100):
+        for n in (5, 40, 100):
             model.generate(_ids(n), max_new_tokens=20, do_sample=False)
     assert len(backend.graphs) > 8
-    assert "no int4 implementation" not in caplog.text
+    assert "no int4 implementation" not in caplog.text and "recompile_limit" not in caplog.text
     assert torch._dynamo.config.recompile_limit == kvpass.backend.RECOMPILE_LIMIT
+
+
+def test_a_recompile_limit_still_hit_is_explained_in_kvpass_log(monkeypatch, caplog):
+    # Past the limit Dynamo runs new shapes uncompiled, and caches those calls create stay fp16: the
+    # user must hear it from kvpass, not only as Dynamo's generic warning.
+    monkeypatch.setattr(kvpass.backend, "RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    model.compile(backend="kv4")
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        model.generate(_ids(40), max_new_tokens=4, do_sample=False)
+    assert "uncompiled" in caplog.text and "hit config.recompile_limit (2)" in caplog.text
 
 
 def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
