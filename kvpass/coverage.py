@@ -358,31 +358,34 @@ def check_one(model_type: str) -> dict:
         return {**row, "status": "kv4 fails", "reason": _short(err)}
 
     sites = [site for graph in backend.graphs for site in graph.sites]
-    rewritten = sum(site.rewritten for site in sites)
     tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)]
     packed = [t for t in tensors if isinstance(t, PackedKV)]
-    reasons = sorted({site.reason for site in sites if not site.rewritten})
-    if len(packed) < len(tensors) and rewritten == len(sites):
-        reasons.append(f"{len(tensors) - len(packed)} of {len(tensors)} cache tensors stayed fp16 with every site seen "
-                       "rewritten: their layers ran outside kv4 graphs")  # fmt: skip
-    if not sites:
-        status, reasons = "no site found", ["no SDPA or eager attention found in the graphs"]
-    elif rewritten == len(sites) and len(packed) == len(tensors):
-        status = "rewritten"
-    elif rewritten:
-        status = "partly rewritten"
-    else:
-        status = "left fp16"
+    status, reasons = site_status(sites, len(tensors), len(packed))
     return {
         **row,
         "status": status,
-        "sites": f"{rewritten}/{len(sites)}",
+        "sites": f"{sum(site.rewritten for site in sites)}/{len(sites)}",
         "bytes_ratio": (
             round(sum(t.stored_bytes() for t in packed) / sum(t.numel() * 2 for t in packed), 3) if packed else None
         ),
         "logits_error": float((got - expected).abs().max()) if packed else None,
         "reason": "; ".join(reasons),
     }
+
+
+def site_status(sites, n_tensors: int, n_packed: int) -> tuple[str, list[str]]:
+    """A model type's status and reasons from the attention sites its graphs held and how many of its
+    cache's ``n_tensors`` K/V tensors ended up packed."""
+    rewritten = sum(site.rewritten for site in sites)
+    reasons = sorted({site.reason for site in sites if not site.rewritten})
+    if n_packed < n_tensors and rewritten == len(sites):
+        reasons.append(f"{n_tensors - n_packed} of {n_tensors} cache tensors stayed fp16 with every site seen "
+                       "rewritten: their layers ran outside kv4 graphs")  # fmt: skip
+    if not sites:
+        return "no site found", ["no SDPA or eager attention found in the graphs"]
+    if rewritten == len(sites) and n_packed == n_tensors:
+        return "rewritten", reasons
+    return ("partly rewritten" if rewritten else "left fp16"), reasons
 
 
 def _short(err: BaseException) -> str:

@@ -18,7 +18,7 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
 paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
-from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by 3). Heads under
+from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by 1). Heads under
 32 channels store neither plane nor sinks. fp8 and int8 are costed without scales.
 """
 

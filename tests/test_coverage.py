@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvpass.coverage import check_one, tiny_config
+from kvpass.coverage import check_one, site_status, tiny_config
+from kvpass.passes import SiteReport
 
 
 def test_mla_dims_follow_each_other():
@@ -107,3 +108,17 @@ def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch, model_type):
     assert row["status"] == "rewritten" and row["bytes_ratio"] == 0.312 and row["logits_error"] < 1e-4
     with pytest.raises(ValueError, match="head_dim must be an even int >= 2"):
         coverage.set_head_dim(7)
+
+
+def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():
+    done = SiteReport(0, "model.layers.0.self_attn", "sdpa", "decode", True)
+    refused = SiteReport(1, "model.layers.1.self_attn", "sdpa", "decode", False, "K does not come from a cache write")
+    assert site_status([done], 4, 4) == ("rewritten", [])
+    # Every site seen was rewritten, yet a layer's cache stayed fp16: its layer ran outside any kv4 graph.
+    status, reasons = site_status([done], 4, 2)
+    assert status == "partly rewritten" and reasons == [
+        "2 of 4 cache tensors stayed fp16 with every site seen rewritten: their layers ran outside kv4 graphs"
+    ]
+    assert site_status([done, refused], 4, 2) == ("partly rewritten", ["K does not come from a cache write"])
+    assert site_status([refused], 4, 0) == ("left fp16", ["K does not come from a cache write"])
+    assert site_status([], 4, 0)[0] == "no site found"
