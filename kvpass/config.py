@@ -23,16 +23,16 @@ CENTER_TOKENS = 64
 # poor offset.
 PREFIX_MIN_TOKENS = 64
 # A shorter prompt of at least this many tokens still keeps its first token as an fp sink (no
-# offset): the first token (BOS) is the sink every later query reads most, and Gemma 3 loses 3x
-# less after an 8-token prompt with it. One 16-bit row, paid for by 3 refined tokens, keeps every
-# cache from a 6-token prompt on under 0.345x fp16 at head_dim 32 (0.33x at 64); from 5 tokens it
+# offset): the first token (BOS) is the sink every later query reads most, and Gemma 3 loses 5x
+# less on English after an 8-token prompt with it. With its one 16-bit row every cache from a
+# 6-token prompt on stores at most 0.344x fp16 at head_dim 32 (0.328x at 64); from 5 tokens it
 # would be 0.353x. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
 SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
 # That sink gives up one refined token, not the 3 its bytes are worth: a short cache's plane is a few
 # tokens long, and on Gemma 3 after 8-token prompts paying 3 lost +6.3% / +2.4% where paying 1 lost
 # +4.1% / +1.7% (KJV / code, docs/eval.md). One still keeps the 8-token cache, the worst case, under
-# 0.35x; from then on the sink costs 2 int4 tokens' bytes, 0.0001x fp16 at 4K.
+# 0.35x; from then on the sink costs about 2 int4 tokens' bytes, under 0.0001x fp16 at 4K.
 SHORT_PREFIX_PLANE_COST = 1
 # Heads narrower than this (test-size models) spend a bit or more per value on fp16 scales: with a
 # second code plane, fp sinks or an offset on top, a short cache would store more than 0.35x fp16,
@@ -97,7 +97,7 @@ class QuantSpec:
     one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
     what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset, 1 for
     one sink) for as long as it holds them or its offset, so from 128 tokens on a long prompt's cache
-    stores no more than it would without them (a short prompt's, 2 int4 tokens more).
+    stores no more than it would without them (a short prompt's, about 2 int4 tokens more).
     """
 
     bits: int = 4

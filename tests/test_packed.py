@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, QuantSpec
+from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec
 from kvpass import packed, reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
@@ -457,8 +457,6 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
 def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim):
     # The default's K and V after every prompt of up to 24 tokens and each of 24 decode steps (the
     # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16.
-    from kvpass.config import KVConfig
-
     specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
     worst = 0.0
     for prompt in range(1, 25):
