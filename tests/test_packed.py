@@ -453,10 +453,11 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
             assert with_prefix.stored_bytes() <= without.stored_bytes()
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim):
+@pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.34375), (64, 0.328125)])
+def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim, worst_ratio):
     # The default's K and V after every prompt of up to 24 tokens and each of 24 decode steps (the
-    # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16.
+    # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16; the
+    # worst case (8 tokens after a 6-token prompt) is the figure docs/design.md and the README give.
     specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
     worst = 0.0
     for prompt in range(1, 25):
@@ -465,7 +466,7 @@ def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head
         for _ in range(24):
             worst = max(worst, (k.stored_bytes() + v.stored_bytes()) / (2 * k.numel() * 2))
             k, v = (t.append(torch.randn(1, 2, 1, head_dim, dtype=torch.float16)) for t in (k, v))
-    assert worst <= 0.35
+    assert worst == worst_ratio <= 0.35
 
 
 def test_sinks_leave_with_a_sliding_window_and_crops_cut_into_them():
