@@ -29,11 +29,14 @@ PREFIX_MIN_TOKENS = 64
 # would be 0.353x. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
 SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
-# That sink gives up one refined token, not the 3 its bytes are worth: a short cache's plane is a few
-# tokens long, and on Gemma 3 after 8-token prompts paying 3 lost +6.3% / +2.4% where paying 1 lost
-# +4.1% / +1.7% (KJV / code, docs/eval.md). One still keeps the 8-token cache, the worst case, under
-# 0.35x; from then on the sink costs about 2 int4 tokens' bytes, under 0.0001x fp16 at 4K.
+# That sink gives up at most one refined token, not the 3 its bytes are worth: a short cache's plane is
+# a few tokens long, and each of them was worth more than the bytes (docs/eval.md). Groups of
+# SHORT_PREFIX_FREE_GROUP channels or more (head_dim 64 and up) give up none: the worst case, 8 tokens
+# after a 6-token prompt, stores 0.345x fp16 unpaid. Narrower groups (head_dim 32) give up one, which
+# takes it from 0.361x to 0.344x. From then on the sink costs 2 to 3 int4 tokens' bytes, under
+# 0.0001x fp16 at 4K.
 SHORT_PREFIX_PLANE_COST = 1
+SHORT_PREFIX_FREE_GROUP = 64
 # Heads narrower than this (test-size models) spend a bit or more per value on fp16 scales: with a
 # second code plane, fp sinks or an offset on top, a short cache would store more than 0.35x fp16,
 # so they keep plain groups (:meth:`QuantSpec.for_head_dim`).
@@ -95,9 +98,10 @@ class QuantSpec:
 
     Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more;
     one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
-    what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset, 1 for
-    one sink) for as long as it holds them or its offset, so from 128 tokens on a long prompt's cache
-    stores no more than it would without them (a short prompt's, about 2 int4 tokens more).
+    what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset; for
+    one sink, 1 in groups under 64 channels, else none) for as long as it holds them or its offset,
+    so from 128 tokens on a long prompt's cache stores no more than it would without them (a short
+    prompt's, 2 to 3 int4 tokens more).
     """
 
     bits: int = 4
@@ -257,26 +261,30 @@ class QuantSpec:
             return min(self.sinks, SHORT_PREFIX_SINKS), False
         return 0, False
 
-    def plane_cost(self, n_head: int, has_offset: bool) -> int:
-        """Refined tokens a cache holding ``n_head`` fp sinks (and an offset, if ``has_offset``) gives
-        up: as many as those 16-bit rows (beyond the codes the sinks replace) take in quantized tokens'
-        bytes, 15 for int4 in groups of 64 with 4 sinks and an offset; a short prompt's one sink and no
-        offset, at most ``SHORT_PREFIX_PLANE_COST``. The offset outlives a sliding window's eviction of
-        the sinks it came with and keeps paying for all of them: the plane cannot regain rows it dropped."""
+    def plane_cost(self, n_head: int, has_offset: bool, head_dim: int) -> int:
+        """Refined tokens a cache of ``head_dim``-channel heads holding ``n_head`` fp sinks (and an
+        offset, if ``has_offset``) gives up: as many as those 16-bit rows (beyond the codes the sinks
+        replace) take in quantized tokens' bytes, 15 for int4 in groups of 64 with 4 sinks and an
+        offset. A short prompt's one sink and no offset gives up ``SHORT_PREFIX_PLANE_COST`` in groups
+        narrower than ``SHORT_PREFIX_FREE_GROUP`` channels, none in wider ones. The offset outlives a
+        sliding window's eviction of the sinks it came with and keeps paying for all of them: the plane
+        cannot regain rows it dropped."""
+        if not has_offset and n_head <= SHORT_PREFIX_SINKS:
+            return SHORT_PREFIX_PLANE_COST * (n_head > 0 and self.token_group(head_dim) < SHORT_PREFIX_FREE_GROUP)
         group_bits = self.bits * self.group + 16 * (1 if self.symmetric else 2)  # a token's bits per group
         sinks = self.sinks if has_offset else n_head
-        cost = -(-(sinks * (16 * self.group - group_bits) + 16 * self.group * has_offset) // group_bits)
-        return cost if has_offset or n_head > SHORT_PREFIX_SINKS else min(cost, SHORT_PREFIX_PLANE_COST)
+        return -(-(sinks * (16 * self.group - group_bits) + 16 * self.group * has_offset) // group_bits)
 
-    def refined_tokens(self, stored: int, n_head: int = 0, has_offset: bool = False):
-        """How many of the newest quantized tokens of a cache holding ``stored`` tokens (sinks
-        included) carry the second code plane: :meth:`plane_cost` fewer in one with sinks or an offset
-        (a spec without sinks never pays: its offset alone was measured without payment)."""
+    def refined_tokens(self, stored: int, head_dim: int, n_head: int = 0, has_offset: bool = False):
+        """How many of the newest quantized tokens of a cache of ``head_dim``-channel heads holding
+        ``stored`` tokens (sinks included) carry the second code plane: :meth:`plane_cost` fewer in one
+        with sinks or an offset (a spec without sinks never pays: its offset alone was measured
+        without payment)."""
         # sym_min / sym_max keep symbolic lengths free of guards.
         tokens = torch.sym_min(self.refine, stored // REFINE_SHARE)
         if not self.sinks or not (n_head or has_offset):
             return tokens
-        return torch.sym_max(tokens - self.plane_cost(n_head, has_offset), 0)
+        return torch.sym_max(tokens - self.plane_cost(n_head, has_offset, head_dim), 0)
 
     def token_group(self, head_dim: int) -> int:
         """Channel-group size of a per-token scheme for this head_dim.

@@ -18,7 +18,7 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
 paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
-from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by 1). Heads under
+from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by 1 at head_dim 32, by none from 64). Heads under
 32 channels store neither plane nor sinks. fp8 and int8 are costed without scales.
 """
 
@@ -192,7 +192,7 @@ def _kv4_extra_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -
         taken, has_offset = spec.prefix(context)
         for layers, held in ((sizes.layers - sizes.sliding_layers, context), (sizes.sliding_layers, sliding_held)):
             sinks = taken if held == context else 0
-            refined = spec.refined_tokens(held, sinks, has_offset)
+            refined = spec.refined_tokens(held, dim, sinks, has_offset)
             offset_bits = fp16_bits * dim if has_offset else 0
             per_head = refined * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits
             total += layers * sizes.kv_heads * per_head / 8
@@ -469,8 +469,9 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
         f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "
         "(a second code plane); "
         f"K's first {k_spec.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
-        f"{k_spec.plane_cost(k_spec.sinks, True)} fewer second-plane K tokens (prompts of {PREFIX_MIN_TOKENS}+ tokens; "
-        f"of {SHORT_PREFIX_MIN_TOKENS}+, the first token, {k_spec.plane_cost(SHORT_PREFIX_SINKS, False)}); "
+        f"{k_spec.plane_cost(k_spec.sinks, True, sizes.k_head_dim)} fewer second-plane K tokens (prompts of "
+        f"{PREFIX_MIN_TOKENS}+ tokens; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, for "
+        f"{k_spec.plane_cost(SHORT_PREFIX_SINKS, False, sizes.k_head_dim)}); "
         if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
     )
     lines = [

@@ -191,7 +191,7 @@ class PackedKV(torch.Tensor):
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
         held = _head_len(head) + self.codes.shape[2] + new.shape[2]
-        n_fine = reference.refined_tokens(self.spec, held, _head_len(head), offset)
+        n_fine = reference.refined_tokens(self.spec, held, new.shape[-1], _head_len(head), offset)
         # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
         # off its oldest rows keeps it dense, so decode graphs need no guard on either.
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
@@ -451,7 +451,7 @@ def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
     fine_start = t.codes.shape[2] - t.fine_codes.shape[2]
     # sym_max instead of max keeps symbolic lengths free of guards.
     hi = torch.sym_max(stop - fine_start, 0)
-    kept = reference.refined_tokens(t.spec, _head_len(head) + stop - start, _head_len(head), t.offset)
+    kept = reference.refined_tokens(t.spec, _head_len(head) + stop - start, t.shape[-1], _head_len(head), t.offset)
     lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - kept)
     return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
 

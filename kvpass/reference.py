@@ -494,10 +494,10 @@ def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
     return offset if offset is not None and offset.shape[2] else None
 
 
-def refined_tokens(spec: QuantSpec, stored: int, n_head: int, offset: torch.Tensor | None):
-    """:meth:`QuantSpec.refined_tokens` of a cache holding ``stored`` tokens, ``n_head`` of them fp
-    sinks, and ``offset`` (the tensor it stores, or None)."""
-    return spec.refined_tokens(stored, n_head, offset_or_none(offset) is not None)
+def refined_tokens(spec: QuantSpec, stored: int, head_dim: int, n_head: int, offset: torch.Tensor | None):
+    """:meth:`QuantSpec.refined_tokens` of a cache of ``head_dim``-channel heads holding ``stored``
+    tokens, ``n_head`` of them fp sinks, and ``offset`` (the tensor it stores, or None)."""
+    return spec.refined_tokens(stored, head_dim, n_head, offset_or_none(offset) is not None)
 
 
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -563,7 +563,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor |
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
     codes, scales = quantize(quantized, spec)
-    n_fine = refined_tokens(spec, n_head + quantized.shape[2], n_head, offset)
+    n_fine = refined_tokens(spec, n_head + quantized.shape[2], D, n_head, offset)
     fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
     head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None
     return decode(codes, scales, stored[:, :, n_quant:], spec, x.dtype, *fine, head=head, offset=offset)
@@ -573,9 +573,9 @@ def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
                  n_fine: int | None = None):  # fmt: skip
     """``(fine_codes, fine_scales)`` of quantized tokens ``stored`` (stored domain) whose
     ``codes``/``scales`` are given: the error of the newest ``n_fine`` (default
-    ``spec.refined_tokens(S)``), quantized."""
+    ``spec.refined_tokens(S, D)``), quantized."""
     S = stored.shape[2]
-    return _error_plane(stored, codes, scales, spec, S - (spec.refined_tokens(S) if n_fine is None else n_fine))
+    return _error_plane(stored, codes, scales, spec, S - (spec.refined_tokens(S, stored.shape[-1]) if n_fine is None else n_fine))
 
 
 def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quantize):

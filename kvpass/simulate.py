@@ -64,7 +64,7 @@ class FpTokens:
             sinks = min(taken, stop)
             n_quant = stop - max(start, sinks)
             total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if has_offset else 0)
-            refined = spec.refined_tokens(n_quant + sinks, sinks, has_offset)
+            refined = spec.refined_tokens(n_quant + sinks, head_dim, sinks, has_offset)
             total += (n_quant + refined) * spec_bytes_per_token(spec, head_dim)
         return total / (stored * 4 * head_dim)
 

@@ -71,11 +71,14 @@ def test_kv4_ratio_head_dim_128():
     v_extra = 64 * 128 * 4.25 / 8
     assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 32 * 8 * (k_extra + v_extra)
     assert kv_cache_bytes((32, 8, 128), "kv4", 5) == 5 * 34816  # no sinks, and no plane under 8 tokens
-    # 6 to 63 tokens: K keeps its first token in fp16 for 1 of its min(64, tokens / 8) refined tokens
+    # 6 to 63 tokens: K keeps its first token in fp16, and K and V refine min(64, tokens / 8) tokens
     k_sink = 1 * 128 * (16 - 4.25) / 8
-    assert kv_cache_bytes((32, 8, 128), "kv4", 12) == 12 * 34816 + 32 * 8 * (k_sink + 1 * 128 * 4.25 / 8)
-    k_extra = 3 * 128 * 4.25 / 8 + k_sink
-    assert kv_cache_bytes((32, 8, 128), "kv4", 32) == 32 * 34816 + 32 * 8 * (k_extra + 4 * 128 * 4.25 / 8)
+    token = 128 * 4.25 / 8
+    assert kv_cache_bytes((32, 8, 128), "kv4", 12) == 12 * 34816 + 32 * 8 * (k_sink + 2 * 1 * token)
+    assert kv_cache_bytes((32, 8, 128), "kv4", 32) == 32 * 34816 + 32 * 8 * (k_sink + 2 * 4 * token)
+    # At head_dim 32 (groups of 32 channels, 4.5 bits) that sink gives up one of K's refined tokens.
+    token, k_sink = 32 * 4.5 / 8, 1 * 32 * (16 - 4.5) / 8
+    assert kv_cache_bytes((32, 8, 32), "kv4", 32) == 32 * 8 * (32 * 2 * token + k_sink + (3 + 4) * token)
 
 
 def test_kv4_group_clipped_to_what_head_dim_allows():

@@ -417,13 +417,13 @@ def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_
     for first in (2, SHORT_PREFIX_MIN_TOKENS - 1):  # decode from empty, a very short prompt
         p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
         assert p.n_head == 0 and p.codes.shape[2] == 90 and p.offset.shape[2] == 0
-        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90) == 11  # no sinks to pay for
+        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 64) == 11  # no sinks to pay for
         torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=0), rtol=0, atol=0)
     for first in (SHORT_PREFIX_MIN_TOKENS, PREFIX_MIN_TOKENS - 1):  # a short prompt: one sink, no offset
         p = PackedKV.from_float(x[:, :, :first], SINKS_CENTERED).append(x[:, :, first:])
         assert p.n_head == 1 and p.codes.shape[2] == 89 and p.offset.shape[2] == 0
         assert torch.equal(p.head, reference.rotate(x[:, :, :1]).bfloat16())
-        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 1) == 11 - 1  # one sink, paid for
+        assert p.fine_codes.shape[2] == SINKS_CENTERED.refined_tokens(90, 64, 1) == 11  # one sink, unpaid at 64
         torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, SINKS_CENTERED, sinks=1), rtol=0, atol=0)
     q = PackedKV.from_float(x[:, :, :PREFIX_MIN_TOKENS], SINKS_CENTERED).append(x[:, :, PREFIX_MIN_TOKENS:])
     assert q.n_head == 4 and q.codes.shape[2] == 86
@@ -440,9 +440,10 @@ def test_a_prompt_of_64_tokens_or_more_fixes_the_sinks_and_offset_a_shorter_one_
 @pytest.mark.parametrize("tokens", [64, 200, 1000, 5000])
 def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
     spec = dataclasses.replace(SINKS_CENTERED, refine=64)
-    assert spec.plane_cost(4, True) == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
-    assert spec.plane_cost(0, True) == 15  # an offset outlives its evicted sinks and goes on paying for them
-    assert spec.plane_cost(1, False) == 1  # a short prompt's one sink: 1 of the 3 (11.75 / 4.25) it is worth
+    assert spec.plane_cost(4, True, 64) == 15  # (4 sinks x (16 - 4.25) + 16 offset) bits per value / 4.25
+    assert spec.plane_cost(0, True, 64) == 15  # an offset outlives its evicted sinks and goes on paying for them
+    # A short prompt's one sink: free in groups of 64 channels, one refined token in narrower ones.
+    assert [spec.plane_cost(1, False, d) for d in (32, 64, 96, 128, 256)] == [1, 0, 1, 0, 0]
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         x = torch.randn(1, 2, tokens, 64, dtype=dtype)
         with_prefix = PackedKV.from_float(x, spec)
@@ -453,7 +454,7 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
             assert with_prefix.stored_bytes() <= without.stored_bytes()
 
 
-@pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.34375), (64, 0.328125)])
+@pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.34375), (64, 0.3447265625), (128, 0.3447265625)])
 def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim, worst_ratio):
     # The default's K and V after every prompt of up to 24 tokens and each of 24 decode steps (the
     # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16; the
