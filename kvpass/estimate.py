@@ -18,8 +18,9 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
 paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
-from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by 1 at head_dim 32, by none from 64). Heads under
-32 channels store neither plane nor sinks. fp8 and int8 are costed without scales.
+from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by one refined
+token at head_dim 32, free from 64). Heads under 32 channels store neither plane nor sinks. fp8
+and int8 are costed without scales.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def element_bits(
     _check_positive_int("v_group", v_group)
     k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
     return tuple(
-        4 + _group_bits(spec, sizes.kv_heads, dim) / _scale_span(spec, sizes.kv_heads, dim)
+        reference.bits_per_value(spec, sizes.kv_heads, dim)
         for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
     )
 
@@ -127,19 +128,6 @@ def _kv4_specs(sizes: KVSizes, k_group: int, v_group: int) -> tuple[QuantSpec, Q
         dataclasses.replace(_DEFAULT.k, group=k_group).for_head_dim(sizes.k_head_dim),
         dataclasses.replace(_DEFAULT.v, group=v_group).for_head_dim(sizes.v_head_dim),
     )
-
-
-def _group_bits(spec: QuantSpec, heads: int, head_dim: int) -> int:
-    """Bits stored once per group: a scale (16 bits; 8 in groups under 16 values), and a zero point
-    if asymmetric."""
-    return reference.scale_dtype(spec, heads, head_dim).itemsize * 8 * (1 if spec.symmetric else 2)
-
-
-def _scale_span(spec: QuantSpec, heads: int, head_dim: int) -> int:
-    """Elements sharing one scale: channels of a token (in one head, or in several), or tokens of a channel."""
-    if spec.scheme != "token":
-        return spec.group
-    return spec.heads_per_group(heads, head_dim) * head_dim if spec.span_heads else spec.token_group(head_dim)
 
 
 def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> float:
@@ -460,10 +448,10 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     )
     k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
     k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
-    k_span = _scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim)
-    v_span = _scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
+    k_span = reference.scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim)
+    v_span = reference.scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
-    k_scale, v_scale = (_group_bits(spec, sizes.kv_heads, dim) for spec, dim in
+    k_scale, v_scale = (reference.scale_bits(spec, sizes.kv_heads, dim) for spec, dim in
                         ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))  # fmt: skip
     extras = (
         f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "

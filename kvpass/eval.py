@@ -117,13 +117,14 @@ class Method:
             return f"quanto int{self.nbits}, asymmetric, per-channel groups of 64, fp residual 128"
         return "unquantized"
 
-    def fp16_ratio(self, stored: int, head_dim: int) -> float | None:
-        """Bytes of a cache as kv4 would store it (fp tokens in fp16) over fp16, at the worst
-        point of the flush cycle from ``stored`` tokens on (the fp window at its fullest)."""
+    def fp16_ratio(self, stored: int, heads: int, head_dim: int) -> float | None:
+        """Bytes of a cache of ``heads`` KV heads of ``head_dim`` channels as kv4 would store it (fp
+        tokens in fp16) over fp16, at the worst point of the flush cycle from ``stored`` tokens on
+        (the fp window at its fullest)."""
         if self.kind not in ("kv4", "sim") or "k_layer_bits" in self.backend_kwargs:
             return None  # per-layer bits: the measured bytes say it for this model
         f = self.fp_tokens
-        return max(f.fp16_ratio(n, *self.specs, head_dim) for n in range(stored, stored + f.flush))
+        return max(f.fp16_ratio(n, *self.specs, heads, head_dim) for n in range(stored, stored + f.flush))
 
 
 def parse_method(name: str) -> Method:
@@ -386,6 +387,7 @@ def evaluate(
     order = [fp] + [m for m in methods if m.kind != "fp"]
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     baseline_ppl: dict[tuple[str, int], float] = {}
     baseline_tokens: dict[str, torch.Tensor] = {}
     baseline_predictions: dict[tuple[str, int], list] = {}
@@ -416,7 +418,7 @@ def evaluate(
             for ctx in settings.contexts:
                 row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk)
                 if method.kind in ("kv4", "sim"):
-                    row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, head_dim) for n in (4096, 16384)})
+                    row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, kv_heads, head_dim) for n in (4096, 16384)})
                 if failure is not None:
                     row["error"] = _reason(failure)
                 else:

@@ -84,6 +84,24 @@ def scale_dtype(spec: QuantSpec, heads: int, head_dim: int) -> torch.dtype:
     return NARROW_SCALE_DTYPE if narrow else SCALE_DTYPE
 
 
+def scale_bits(spec: QuantSpec, heads: int, head_dim: int) -> int:
+    """Bits stored once per group: a scale (:func:`scale_dtype`), and a zero point if asymmetric."""
+    return scale_dtype(spec, heads, head_dim).itemsize * 8 * (1 if spec.symmetric else 2)
+
+
+def scale_span(spec: QuantSpec, heads: int, head_dim: int) -> int:
+    """Values sharing one scale: channels of a token (in one head, or in several), or tokens of a channel."""
+    if spec.scheme != "token":
+        return spec.group
+    return spec.heads_per_group(heads, head_dim) * head_dim if spec.span_heads else spec.token_group(head_dim)
+
+
+def bits_per_value(spec: QuantSpec, heads: int, head_dim: int) -> float:
+    """Stored bits of one quantized value under ``spec`` (one plane): its code and its share of its
+    group's scale and zero point."""
+    return spec.bits + scale_bits(spec, heads, head_dim) / scale_span(spec, heads, head_dim)
+
+
 def _stored_scales(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``values`` rounded to the nearest scale of stored ``dtype``."""
     if dtype == NARROW_SCALE_DTYPE:

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
-from kvpass.reference import center_offset, quantize_dequantize
+from kvpass.reference import bits_per_value, center_offset, quantize_dequantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,10 @@ class FpTokens:
         free = stored - start - self.window
         return start, start + (free // self.flush * self.flush if free > 0 else 0)
 
-    def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, head_dim: int) -> float:
-        """Bytes of a ``stored``-token cache built from one prompt (fp tokens in fp16, refined
-        tokens' second code plane, the sinks and offset a spec takes from it included) over an
-        all-fp16 cache."""
+    def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, heads: int, head_dim: int) -> float:
+        """Bytes of a ``stored``-token cache of ``heads`` KV heads of ``head_dim`` channels built from
+        one prompt (fp tokens in fp16, refined tokens' second code plane, the sinks and offset a spec
+        takes from it included) over an all-fp16 cache."""
         start, stop = self.quantized(stored)
         total = 0
         for spec in (k_spec.for_head_dim(head_dim), v_spec.for_head_dim(head_dim)):
@@ -65,19 +65,8 @@ class FpTokens:
             n_quant = stop - max(start, sinks)
             total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if has_offset else 0)
             refined = spec.refined_tokens(n_quant + sinks, head_dim, sinks, has_offset)
-            total += (n_quant + refined) * spec_bytes_per_token(spec, head_dim)
+            total += (n_quant + refined) * head_dim * bits_per_value(spec, heads, head_dim) / 8
         return total / (stored * 4 * head_dim)
-
-
-def spec_bytes_per_token(spec: QuantSpec, head_dim: int) -> float:
-    """Stored bytes of one token of one head under ``spec``: packed codes plus fp16 scales
-    (and zero points when asymmetric), per-channel scales shared by ``group`` tokens."""
-    per_group = 2 if spec.symmetric else 4
-    if spec.scheme == "token":
-        params = head_dim // spec.token_group(head_dim) * per_group
-    else:
-        params = head_dim * per_group / spec.group
-    return head_dim * spec.bits / 8 + params
 
 
 def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):

@@ -118,8 +118,8 @@ def test_method_names():
                                                            "k_center": False}  # fmt: skip
     # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
     refined = kv_eval.parse_method("kv4-rot-mse-r64")
-    assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 64) == 34 / 128 * (1 + 64 / 4096)
-    assert refined.fp16_ratio(256, 64) == 34 / 128 * (1 + 1 / 8)
+    assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 3, 64) == 34 / 128 * (1 + 64 / 4096)
+    assert refined.fp16_ratio(256, 3, 64) == 34 / 128 * (1 + 1 / 8)
     # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
     # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks and -kc centers K
     assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
@@ -134,7 +134,7 @@ def test_method_names():
     # -kB@L.L: K bits B in layers L, the rest the default; bytes then depend on the model's layers
     mixed = kv_eval.parse_method("kv4-k8@11.15")
     assert mixed.backend_kwargs == {"k_layer_bits": {11: 8, 15: 8}}
-    assert mixed.specs == (KVConfig().k, KVConfig().v) and mixed.fp16_ratio(4096, 64) is None
+    assert mixed.specs == (KVConfig().k, KVConfig().v) and mixed.fp16_ratio(4096, 3, 64) is None
     assert mixed.scheme.endswith(", K int8 in layers 11, 15")
     with pytest.raises(ValueError, match="only in the real backend"):
         kv_eval.parse_method("sim-kv4-k8@11")
@@ -247,6 +247,19 @@ def test_window_longer_than_the_text_is_the_fp_baseline(model):
     assert ppl_w32 != ppl_fp
 
 
+@pytest.mark.parametrize("heads, head_dim", [(2, 8), (1, 8), (4, 12), (3, 64), (2, 256)])
+def test_estimated_ratio_is_what_the_packed_cache_stores(heads, head_dim):
+    # Heads narrower than 16 channels share a scale across heads (or keep 8-bit ones): the ratio
+    # eval reports counts each head's share of it, as the cache stores it.
+    from kvpass.packed import PackedKV
+
+    for name in ("kv4-rot", "kv4-rot-mse-r64", "kv4-kivi"):
+        method = kv_eval.parse_method(name)
+        k, v = (PackedKV.from_float(torch.randn(1, heads, 512, head_dim, dtype=torch.float16), spec.for_head_dim(head_dim))
+                for spec in method.specs)  # fmt: skip
+        assert method.fp16_ratio(512, heads, head_dim) == (k.stored_bytes() + v.stored_bytes()) / (2 * k.numel() * 2)
+
+
 def test_fp_token_method_names_and_bytes():
     from kvpass.simulate import FpTokens
 
@@ -255,24 +268,24 @@ def test_fp_token_method_names_and_bytes():
     assert (k.bits, v.bits, k.group, k.symmetric) == (8, 4, 32, False)
     assert (m.fp_tokens.sinks, m.fp_tokens.window, m.fp_tokens.flush) == (4, 64, 64)
     assert kv_eval.parse_method("sim-kv4-rot-w32-f16").fp_tokens.flush == 16
-    assert kv_eval.parse_method("kv4-rot").fp16_ratio(4096, 64) == 34 / 128  # 4 bits + an fp16 scale per 64
+    assert kv_eval.parse_method("kv4-rot").fp16_ratio(4096, 3, 64) == 34 / 128  # 4 bits + an fp16 scale per 64
     # 4096 tokens: 4 sinks, 4092 - 64 = 4028 = 62 * 64 + 60 quantized in whole blocks, 124 fp.
     rot_k, rot_v = kv_eval.parse_method("kv4-rot").specs
-    exact = FpTokens(4, 64, 64).fp16_ratio(4096, rot_k, rot_v, 64)
+    exact = FpTokens(4, 64, 64).fp16_ratio(4096, rot_k, rot_v, 3, 64)
     assert exact == pytest.approx((128 * 128 + 3968 * 34) / (4096 * 128))
     # The reported ratio is the worst of the flush cycle: 4 + 127 fp tokens at 4099 stored.
-    ratio = kv_eval.parse_method("sim-kv4-rot-w64-s4").fp16_ratio(4096, 64)
+    ratio = kv_eval.parse_method("sim-kv4-rot-w64-s4").fp16_ratio(4096, 3, 64)
     assert ratio == pytest.approx((131 * 128 + 3968 * 34) / (4099 * 128))
     real = kv_eval.parse_method("kv4-rot-g32-w64")  # kv4's own window
     assert all(spec.window == 64 and spec.group == 32 for spec in real.specs) and real.kind == "kv4"
-    assert real.fp16_ratio(4096, 64) == kv_eval.parse_method("sim-kv4-rot-g32-w64").fp16_ratio(4096, 64)
+    assert real.fp16_ratio(4096, 3, 64) == kv_eval.parse_method("sim-kv4-rot-g32-w64").fp16_ratio(4096, 3, 64)
     with pytest.raises(ValueError, match="only in simulation"):
         kv_eval.parse_method("kv4-rot-w64-s4")  # the real backend has no fp sinks
     # K sinks and offset: 4 fp16 tokens instead of 4 quantized ones and one fp16 row, in K only,
     # paid for by 15 of K's refined tokens.
     real = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc")
     assert real.kind == "kv4" and (real.specs[0].sinks, real.specs[0].center, real.specs[1].sinks) == (4, True, 0)
-    plain = kv_eval.parse_method("kv4-rot-mse-r56").fp16_ratio(4096, 64)
+    plain = kv_eval.parse_method("kv4-rot-mse-r56").fp16_ratio(4096, 3, 64)
     extra = (4 * (128 - 34) + 128 - 15 * 34) / (4096 * 4 * 64)
-    assert real.fp16_ratio(4096, 64) == pytest.approx(plain + extra)
-    assert real.fp16_ratio(4096, 64) < plain
+    assert real.fp16_ratio(4096, 3, 64) == pytest.approx(plain + extra)
+    assert real.fp16_ratio(4096, 3, 64) < plain
