@@ -127,7 +127,13 @@ def main(argv=None) -> int:
     add_arguments(sub_parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    result = run(args)
+    try:
+        result = run(args)
+    except (ValueError, FileNotFoundError) as err:
+        if args.verbose:
+            raise
+        # Bad input (a value, a path): argparse's form, usage and the reason, exit status 2.
+        sub_parser.error(str(err))
     return int(result or 0)
 
 

@@ -66,7 +66,10 @@ class KVSizes:
     """The shape of a model's KV cache.
 
     ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
-    most ``window`` tokens. ``notes`` explain how the figures were derived.
+    most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind, ``"full"``, ``"sliding"``
+    or ``"state"`` (a fixed-size recurrent state), by the index the backend's ``k_layer_bits``
+    names it with; left empty, the full layers come first. ``notes`` explain how the figures were
+    derived.
     """
 
     layers: int
@@ -77,6 +80,7 @@ class KVSizes:
     window: int | None = None
     name: str = "explicit sizes"
     notes: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
@@ -88,12 +92,25 @@ class KVSizes:
             )
         if self.sliding_layers:
             _check_positive_int("window", self.window)
+        if self.kinds and (self.kinds.count("full") + self.kinds.count("sliding"), self.kinds.count("sliding")) != (
+            self.layers, self.sliding_layers
+        ):
+            raise ValueError(f"kinds {self.kinds!r} do not hold {self.layers} KV layers, {self.sliding_layers} sliding")
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Every decoder layer's kind (:attr:`kinds`, or the full layers then the sliding ones)."""
+        return self.kinds or ("full",) * (self.layers - self.sliding_layers) + ("sliding",) * self.sliding_layers
+
+    def sliding_held(self, context: int) -> int:
+        """Tokens a sliding layer holds after a sequence of ``context``: transformers'
+        ``DynamicSlidingWindowLayer`` keeps the newest ``window - 1`` between steps (the next
+        token makes ``window``)."""
+        return min(context, self.window - 1) if self.sliding_layers else 0
 
     def tokens_held(self, context: int) -> int:
         """Layer-tokens the cache holds for one sequence of ``context`` tokens."""
         full = self.layers - self.sliding_layers
-        sliding = self.sliding_layers * min(context, self.window) if self.sliding_layers else 0
-        return full * context + sliding
+        return full * context + self.sliding_layers * self.sliding_held(context)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -135,17 +152,79 @@ def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> 
     return sizes.kv_heads * (sizes.k_head_dim * k_bits + sizes.v_head_dim * v_bits) / 8
 
 
+def _kv4_layer_specs(
+    sizes: KVSizes, k_group: int, v_group: int, k_layer_bits: dict[int, int] | None
+) -> list[tuple[str, QuantSpec, QuantSpec]]:
+    """``(kind, K spec, V spec)`` of every KV layer as kv4 stores it, K's bits overridden in the
+    layers ``k_layer_bits`` names (as ``kvpass.kv4(k_layer_bits=...)`` does)."""
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    kinds = sizes.layer_kinds()
+    bits_by_layer = dict(k_layer_bits or {})
+    for layer, bits in bits_by_layer.items():
+        if type(layer) is not int or not 0 <= layer < len(kinds) or kinds[layer] == "state":
+            kv_layers = [i for i, kind in enumerate(kinds) if kind != "state"]
+            raise ValueError(f"k_layer_bits: {layer!r} is not the index of a KV layer of {sizes.name}; "
+                             f"those are {_ranges(kv_layers)}")  # fmt: skip
+        try:
+            bits_by_layer[layer] = dataclasses.replace(k_spec, bits=bits)
+        except ValueError as why:
+            raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
+    return [(kind, bits_by_layer.get(i, k_spec), v_spec) for i, kind in enumerate(kinds) if kind != "state"]
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _kv4_spec_bytes(spec: QuantSpec, heads: int, dim: int, context: int, held: int) -> float:
+    """Bytes one layer's K or V stores under ``spec`` for one sequence holding ``held`` of a
+    prompt's ``context`` tokens: a code and scale per value, the second code plane of the newest
+    tokens, and the fp16 sinks (beyond the codes they stand for) and offset the prompt fixes, the
+    sinks evicted where a sliding window holds fewer than ``context``."""
+    bits = reference.bits_per_value(spec, heads, dim)
+    fp16_bits = _FIXED_BITS["fp16"]
+    taken, has_offset = spec.prefix(context)
+    sinks = taken if held == context else 0
+    refined = spec.refined_tokens(held, dim, sinks, has_offset)
+    offset_bits = fp16_bits * dim if has_offset else 0
+    return heads * ((held + refined) * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits) / 8
+
+
 def kv_bytes_per_token(
-    source: Any, fmt: str = "fp16", k_group: int = K_GROUP, v_group: int = V_GROUP
+    source: Any,
+    fmt: str = "fp16",
+    k_group: int = K_GROUP,
+    v_group: int = V_GROUP,
+    k_layer_bits: dict[int, int] | None = None,
 ) -> float:
     """Bytes one more token adds to one sequence's cache, over all KV layers.
 
     This is the cost while the context fits in every sliding window; past it, sliding
     layers stop growing (see :func:`kv_cache_bytes`). ``source`` is anything
-    :func:`kv_sizes` accepts.
+    :func:`kv_sizes` accepts; ``k_layer_bits`` (kv4 only) as ``kvpass.kv4`` takes it.
     """
     sizes = kv_sizes(source)
-    return sizes.layers * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    if fmt != "kv4" or not k_layer_bits:
+        _check_kv4_only(fmt, k_layer_bits)
+        return sizes.layers * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    return sum(
+        sum(reference.bits_per_value(spec, sizes.kv_heads, dim) * dim * sizes.kv_heads / 8
+            for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))
+        for _, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
+    )  # fmt: skip
+
+
+def _check_kv4_only(fmt: str, k_layer_bits: dict[int, int] | None) -> None:
+    _check_format(fmt)
+    if k_layer_bits and fmt != "kv4":
+        raise ValueError(f"k_layer_bits applies to kv4 only, not to {fmt!r}")
 
 
 def kv_cache_bytes(
@@ -155,36 +234,21 @@ def kv_cache_bytes(
     batch: int = 1,
     k_group: int = K_GROUP,
     v_group: int = V_GROUP,
+    k_layer_bits: dict[int, int] | None = None,
 ) -> float:
-    """Bytes of the whole cache for ``batch`` sequences of ``context`` tokens each."""
+    """Bytes of the whole cache for ``batch`` sequences of ``context`` tokens each (kv4 with
+    ``k_layer_bits`` as ``kvpass.kv4`` takes it)."""
     _check_positive_int("context", context)
     _check_positive_int("batch", batch)
+    _check_kv4_only(fmt, k_layer_bits)
     sizes = kv_sizes(source)
-    total = batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
-    if fmt == "kv4":
-        total += batch * _kv4_extra_bytes(sizes, context, k_group, v_group)
-    return total
-
-
-def _kv4_extra_bytes(sizes: KVSizes, context: int, k_group: int, v_group: int) -> float:
-    """Bytes kv4 stores for one sequence beyond a code and scale per element: each layer's second
-    code plane of its newest tokens, and K's fp16 sinks (beyond the codes they stand for) and
-    offset, which a prompt of ``context`` tokens fixes and a sliding window evicts first."""
-    k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
-    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
-    specs = ((k_spec, sizes.k_head_dim, k_bits), (v_spec, sizes.v_head_dim, v_bits))
-    sliding_held = min(context, sizes.window) if sizes.sliding_layers else 0
-    fp16_bits = _FIXED_BITS["fp16"]
-    total = 0.0
-    for spec, dim, bits in specs:
-        taken, has_offset = spec.prefix(context)
-        for layers, held in ((sizes.layers - sizes.sliding_layers, context), (sizes.sliding_layers, sliding_held)):
-            sinks = taken if held == context else 0
-            refined = spec.refined_tokens(held, dim, sinks, has_offset)
-            offset_bits = fp16_bits * dim if has_offset else 0
-            per_head = refined * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits
-            total += layers * sizes.kv_heads * per_head / 8
-    return total
+    if fmt != "kv4":
+        return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    return batch * sum(
+        _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, sizes.sliding_held(context) if kind == "sliding" else context)
+        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
+        for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
+    )
 
 
 # ----------------------------------------------------------------------------- sources
@@ -306,16 +370,17 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         elif kv_heads < heads:
             notes.append(f"GQA: {kv_heads} KV heads for {heads} query heads")
 
-    kv_layers, sliding_layers, window = _layer_layout(cfg, layers, notes)
+    kinds, window = _layer_layout(cfg, layers, notes)
     return KVSizes(
-        layers=kv_layers,
+        layers=len(kinds) - kinds.count("state"),
         kv_heads=kv_heads,
         k_head_dim=k_dim,
         v_head_dim=v_dim,
-        sliding_layers=sliding_layers,
+        sliding_layers=kinds.count("sliding"),
         window=window,
         name=name,
         notes=tuple(notes),
+        kinds=kinds,
     )
 
 
@@ -335,8 +400,9 @@ def _kv_heads(cfg: Any, heads: int) -> int:
     return kv_heads
 
 
-def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[int, int, int | None]:
-    """(layers holding KV, of which sliding, window) from the config's per-layer types."""
+def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, ...], int | None]:
+    """(each layer's kind, as :attr:`KVSizes.kinds` spells it; the window) from the config's
+    per-layer types."""
     types = _get(cfg, "layer_types", "layers_block_type")
     window = _get(cfg, "sliding_window")
     if getattr(cfg, "use_sliding_window", True) is False:
@@ -352,42 +418,45 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[int, int, in
     if len(types) != layers:
         raise ValueError(f"config lists {len(types)} layer types for {layers} layers: {types!r}")
 
-    full = sliding = 0
+    kinds = []
     state: dict[str, int] = {}
     for kind in types:
         if kind in _SLIDING_TYPES:
-            sliding += 1
+            kinds.append("sliding")
         elif kind in _CHUNKED_TYPES:
-            sliding += 1
+            kinds.append("sliding")
             window = _require(cfg, "attention chunk size", "attention_chunk_size")
         elif kind in _STATE_TYPES or kind in _NO_CACHE_TYPES:
+            kinds.append("state")
             state[kind] = state.get(kind, 0) + 1
         else:
             if kind not in _FULL_TYPES:
                 notes.append(f"unknown layer type {kind!r} counted as full attention")
-            full += 1
+            kinds.append("full")
+    sliding = kinds.count("sliding")
     if sliding and not window:
         notes.append(
             f"{sliding} sliding layers have no sliding_window in the config; counted as full"
         )
-        full, sliding = full + sliding, 0
+        kinds, sliding = ["full" if kind == "sliding" else kind for kind in kinds], 0
+    full = kinds.count("full")
     if full + sliding == 0:
         raise ValueError(
             f"config has no attention layers (layer types: {sorted(set(types))}); "
             "nothing to estimate"
         )
     if state:
-        kinds = ", ".join(f"{n} {k}" for k, n in state.items())
+        others = ", ".join(f"{n} {k}" for k, n in state.items())
         notes.append(
-            f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others ({kinds}) "
+            f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others ({others}) "
             "keep a fixed-size state that is not counted"
         )
     if sliding:
         notes.append(
             f"sliding window {window} on {sliding} of {full + sliding} KV layers: "
-            f"they stop growing at {window} tokens"
+            f"they stop growing at {window - 1} tokens (the window less the next token)"
         )
-    return full + sliding, sliding, (window if sliding else None)
+    return tuple(kinds), (window if sliding else None)
 
 
 # ----------------------------------------------------------------------------- table
@@ -399,14 +468,16 @@ def estimate_rows(
     batches: Iterable[int] = DEFAULT_BATCHES,
     k_group: int = K_GROUP,
     v_group: int = V_GROUP,
+    k_layer_bits: dict[int, int] | None = None,
 ) -> list[dict[str, float]]:
-    """One row per (context, batch): total cache bytes in every format."""
+    """One row per (context, batch): total cache bytes in every format (kv4's with ``k_layer_bits``)."""
     sizes = kv_sizes(source)
     return [
         {
             "context": c,
             "batch": b,
-            **{f: kv_cache_bytes(sizes, f, c, b, k_group, v_group) for f in FORMATS},
+            **{f: kv_cache_bytes(sizes, f, c, b, k_group, v_group, k_layer_bits if f == "kv4" else None)
+               for f in FORMATS},
         }
         for c in contexts
         for b in batches
@@ -439,7 +510,9 @@ def format_table(rows: Sequence[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> str:
+def describe(
+    sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP, k_layer_bits: dict[int, int] | None = None
+) -> str:
     """Header lines: the sizes used, per-token bytes per format, and how they were counted."""
     dims = (
         f"head_dim {sizes.k_head_dim}"
@@ -453,25 +526,33 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
     k_scale, v_scale = (reference.scale_bits(spec, sizes.kv_heads, dim) for spec, dim in
                         ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))  # fmt: skip
+    short_cost = k_spec.plane_cost(SHORT_PREFIX_SINKS, False, sizes.k_head_dim)
     extras = (
         f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "
         "(a second code plane); "
         f"K's first {k_spec.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
         f"{k_spec.plane_cost(k_spec.sinks, True, sizes.k_head_dim)} fewer second-plane K tokens (prompts of "
-        f"{PREFIX_MIN_TOKENS}+ tokens; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, for "
-        f"{k_spec.plane_cost(SHORT_PREFIX_SINKS, False, sizes.k_head_dim)}); "
+        f"{PREFIX_MIN_TOKENS}+ tokens; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, "
+        + (f"for {short_cost}); " if short_cost else "unpaid); ")
         if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
     )
+    by_bits: dict[int, list[int]] = {}
+    for layer, bits in sorted((k_layer_bits or {}).items()):
+        by_bits.setdefault(bits, []).append(layer)
+    overrides = [f"kv4 K in int{bits} in layer{'s' if len(layers) > 1 else ''} {_ranges(layers)} (k_layer_bits)"
+                 for bits, layers in by_bits.items()]  # fmt: skip
     lines = [
         f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, "
         f"{_plural(sizes.kv_heads, 'KV head')}, {dims}",
         "per token: "
         + ", ".join(
-            f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group))}" for f in FORMATS
+            f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group, k_layer_bits if f == 'kv4' else None))}"
+            for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element ({k_scale} scale bits per {k_span} {k_unit}), "
         f"V {v_bits:g} bits/element ({v_scale} scale bits per {v_span} channels per token), " + extras
         + "fp8/int8 without scales",
+        *overrides,
         *sizes.notes,
     ]
     return "\n".join(lines)
@@ -479,6 +560,14 @@ def describe(sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP) -> 
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _layer_bits(text: str) -> tuple[int, int]:
+    """argparse type: ``'11:8'`` -> ``(11, 8)``, a layer index and K bits."""
+    layer, _, bits = text.partition(":")
+    if not (layer.isdigit() and bits.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected LAYER:BITS such as 11:8, got {text!r}")
+    return int(layer), int(bits)
 
 
 def _tokens(text: str) -> int:
@@ -534,6 +623,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--v-group", dest="v_group", type=int, default=V_GROUP, help="kv4 V group: values per scale"
     )
+    parser.add_argument(
+        "--k-layer-bits",
+        dest="k_layer_bits",
+        type=_layer_bits,
+        nargs="+",
+        default=[],
+        metavar="LAYER:BITS",
+        help="kv4 K bits in chosen layers, as kvpass.kv4(k_layer_bits=...) stores them: 11:8 13:8",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -557,8 +655,9 @@ def run(args: argparse.Namespace) -> int:
     k_group = getattr(args, "k_group", K_GROUP)
     v_group = getattr(args, "v_group", V_GROUP)
     sizes = kv_sizes(source)
-    rows = estimate_rows(sizes, args.context, args.batch, k_group, v_group)
-    print(describe(sizes, k_group, v_group))
+    k_layer_bits = dict(getattr(args, "k_layer_bits", []))
+    rows = estimate_rows(sizes, args.context, args.batch, k_group, v_group, k_layer_bits)
+    print(describe(sizes, k_group, v_group, k_layer_bits))
     print()
     print(format_table(rows))
     return 0

@@ -20,9 +20,11 @@ def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0, kv_heads=
 
 
 def cache_tensors(cache):
+    """Every attention layer's K and V (a hybrid cache's recurrent layers hold neither)."""
     for layer in cache.layers:
-        yield layer.keys
-        yield layer.values
+        if hasattr(layer, "keys"):
+            yield layer.keys
+            yield layer.values
 
 
 def packed_and_fp16_bytes(cache):

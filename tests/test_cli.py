@@ -31,9 +31,18 @@ def test_help_lists_the_subcommands_own_options(command, capsys):
     assert "--" in capsys.readouterr().out.split("options:")[-1]
 
 
-def test_unknown_model_is_named_with_the_accepted_ones():
-    with pytest.raises(ValueError, match=r"unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"):
-        main(["explain", "llama9"])
+def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
+    for argv, message in [
+        (["explain", "llama9"], r"kvpass explain: error: unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"),
+        (["estimate", "--model", "lfm2", "--k-layer-bits", "0:8"],
+         r"error: k_layer_bits: 0 is not the index of a KV layer of models_zoo:lfm2; those are 1"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert re.search(message, capsys.readouterr().err)
+    with pytest.raises(ValueError, match="unknown models_zoo name"):  # --verbose keeps the traceback
+        main(["-v", "explain", "llama9"])
 
 
 @pytest.mark.parametrize("command", [[], ["bench"]])

@@ -81,6 +81,21 @@ def test_kv4_ratio_head_dim_128():
     assert kv_cache_bytes((32, 8, 32), "kv4", 32) == 32 * 8 * (32 * 2 * token + k_sink + (3 + 4) * token)
 
 
+@pytest.mark.parametrize("heads, head_dim", [(2, 8), (4, 16), (2, 32), (3, 64), (1, 80), (2, 128), (1, 256)])
+def test_kv4_estimate_is_what_a_cache_built_from_one_prompt_stores(heads, head_dim):
+    # Prompts under 6 tokens, 6-63 (one sink), 64+ (sinks and offset) and a long one whose plane is full.
+    import torch
+
+    from kvpass.config import KVConfig
+    from kvpass.packed import PackedKV
+
+    specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
+    for context in (5, 6, 12, 63, 64, 100, 700):
+        prompt = torch.randn(1, heads, context, head_dim, dtype=torch.float16)
+        stored = sum(PackedKV.from_float(prompt, spec).stored_bytes() for spec in specs)
+        assert kv_cache_bytes((1, heads, head_dim), "kv4", context) == stored, context
+
+
 def test_kv4_group_clipped_to_what_head_dim_allows():
     # head_dim 80 (Phi-2): a group of 64 channels does not fit; gcd(64, 80) = 16 does.
     ratio = kv_bytes_per_token((32, 32, 80), "kv4") / kv_bytes_per_token((32, 32, 80), "fp16")
@@ -184,16 +199,15 @@ def test_sliding_layers_capped_at_window(tmp_path):
     assert (sizes.layers, sizes.sliding_layers, sizes.window) == (42, 21, 4096)
     per_layer_token = 8 * 256 * 2 * 2
     assert kv_cache_bytes(folder, "fp16", 2048) == 42 * 2048 * per_layer_token
-    assert kv_cache_bytes(folder, "fp16", 32768) == (21 * 32768 + 21 * 4096) * per_layer_token
+    # transformers' sliding layers keep the newest 4095 tokens between steps
+    assert kv_cache_bytes(folder, "fp16", 32768) == (21 * 32768 + 21 * 4095) * per_layer_token
     assert any("sliding window 4096 on 21 of 42" in note for note in sizes.notes)
 
 
 def test_mistral_without_layer_types_slides_everywhere(tmp_path):
     mistral = {**LLAMA31_8B, "model_type": "mistral", "sliding_window": 4096}
     folder = write_config(tmp_path, mistral)
-    assert (
-        kv_cache_bytes(folder, "fp16", 131072) == kv_cache_bytes(folder, "fp16", 4096) == 512 * MiB
-    )
+    assert kv_cache_bytes(folder, "fp16", 131072) == kv_cache_bytes(folder, "fp16", 4095) == 512 * MiB * 4095 / 4096
 
 
 def test_disabled_sliding_window_is_ignored(tmp_path):
@@ -419,3 +433,41 @@ def test_run_rejects_mixed_or_missing_sources():
         estimate.run(parse(["--model", "llama", "--layers", "4"]))
     with pytest.raises(ValueError, match="missing.*head_dim"):
         estimate.run(parse(["--layers", "4", "--kv-heads", "2"]))
+
+
+# ------------------------------------------------------------- what a compiled model stores
+
+
+@pytest.mark.parametrize("name, k_layer_bits", [("gemma3", {}), ("gemma3", {1: 8}), ("lfm2", {1: 8})])
+def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits):
+    # gemma3: a sliding layer (window 32) then a full one; lfm2: a conv layer then attention.
+    import torch
+    from transformers import DynamicCache
+
+    import kvpass
+    from kvpass.models_zoo import build
+    from tests.helpers import packed_and_fp16_bytes
+
+    model = build(name).eval()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=kvpass.kv4(k_layer_bits=k_layer_bits))
+    with torch.no_grad():
+        out = step(input_ids=torch.randint(3, 200, (2, 70)), past_key_values=DynamicCache(config=model.config), use_cache=True)
+    stored, _ = packed_and_fp16_bytes(out.past_key_values)
+    assert stored == kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
+
+
+def test_run_costs_int8_keys_in_the_layers_named(capsys):
+    args = parse(["--model", "gemma3", "--context", "70", "4096", "--k-layer-bits", "1:8"])
+    assert estimate.run(args) == 0
+    out = capsys.readouterr().out
+    assert "kv4 K in int8 in layer 1 (k_layer_bits)" in out
+    # per token: the full layer's K at 8 + 16/32 bits instead of 4 + 16/32, on 32 channels of one KV head
+    assert f"kv4 {estimate.human_bytes(kv_bytes_per_token('gemma3', 'kv4') + 32 * 4 / 8)}" in out
+    rows = estimate.estimate_rows("gemma3", [70], [1], k_layer_bits={1: 8})
+    assert rows[0]["kv4"] == kv_cache_bytes("gemma3", "kv4", 70, k_layer_bits={1: 8}) > kv_cache_bytes("gemma3", "kv4", 70)
+    assert rows[0]["int8"] == kv_cache_bytes("gemma3", "int8", 70)
+    with pytest.raises(ValueError, match="k_layer_bits applies to kv4 only, not to 'fp16'"):
+        kv_cache_bytes("gemma3", "fp16", 70, k_layer_bits={1: 8})
+    with pytest.raises(SystemExit):
+        parse(["--model", "gemma3", "--k-layer-bits", "1-8"])
