@@ -25,8 +25,8 @@ PREFIX_MIN_TOKENS = 64
 # A shorter prompt of at least this many tokens still keeps its first token as an fp sink (no
 # offset): the first token (BOS) is the sink every later query reads most, and Gemma 3 loses 5x
 # less on English after an 8-token prompt with it. With its one 16-bit row every cache from a
-# 6-token prompt on stores at most 0.344x fp16 at head_dim 32 (0.328x at 64); from 5 tokens it
-# would be 0.353x. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
+# 6-token prompt on stores at most 0.344x fp16 at head_dim 32 (0.345x at 64); from 5 tokens it
+# would be 0.353x at 32. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
 SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
 # That sink gives up at most one refined token, not the 3 its bytes are worth: a short cache's plane is
