@@ -13,6 +13,7 @@ import concurrent.futures
 import copy
 import json
 import logging
+import math
 import re
 import subprocess
 import sys
@@ -281,6 +282,8 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
         if hidden and {heads, head_dim, expand} <= fields and isinstance(value(expand), int):
             inner = value(expand) * hidden
             out[heads] = inner // SSM_HEAD_DIM
+            if isinstance(value("n_groups"), int):  # each group shares B and C over a whole number of heads
+                out["n_groups"] = math.gcd(value("n_groups"), out[heads])
             if isinstance(value(head_dim), int):  # else "auto": derived from the heads
                 out[head_dim] = SSM_HEAD_DIM
             if isinstance(value("mamba_d_ssm"), int):

@@ -44,6 +44,18 @@ def test_ssm_heads_times_head_dim_is_the_inner_width():
     assert config.num_heads * config.head_dim == config.expand * config.hidden_size
 
 
+def test_ssm_groups_share_out_the_heads_of_narrow_configs(monkeypatch):
+    # hidden 32 leaves 2 SSM heads, which Mamba-2's default 8 groups of B and C cannot share out.
+    from kvpass import coverage
+
+    monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))
+    monkeypatch.setattr(coverage, "UNSET", dict(coverage.UNSET))
+    coverage.set_head_dim(8)
+    for model_type, heads in (("mamba2", "num_heads"), ("nemotron_h", "mamba_num_heads")):
+        config = tiny_config(model_type)
+        assert getattr(config, heads) == 2 and config.n_groups == 2, model_type
+
+
 def test_sub_configs_shrink_and_keep_their_ties_to_the_text_model():
     config = tiny_config("dots3_note")
     assert config.text_config.hidden_size == config.vision_config.hidden_size == 128
