@@ -66,10 +66,10 @@ class KVSizes:
     """The shape of a model's KV cache.
 
     ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
-    most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind, ``"full"``, ``"sliding"``
-    or ``"state"`` (a fixed-size recurrent state), by the index the backend's ``k_layer_bits``
-    names it with; left empty, the full layers come first. ``notes`` explain how the figures were
-    derived.
+    most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind,
+    ``"full"``, ``"sliding"`` or ``"state"`` (a fixed-size recurrent state), by the index the
+    backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``notes``
+    explain how the figures were derived.
     """
 
     layers: int
@@ -92,10 +92,11 @@ class KVSizes:
             )
         if self.sliding_layers:
             _check_positive_int("window", self.window)
-        if self.kinds and (self.kinds.count("full") + self.kinds.count("sliding"), self.kinds.count("sliding")) != (
-            self.layers, self.sliding_layers
-        ):
-            raise ValueError(f"kinds {self.kinds!r} do not hold {self.layers} KV layers, {self.sliding_layers} sliding")
+        full, sliding = self.kinds.count("full"), self.kinds.count("sliding")
+        if self.kinds and (full + sliding, sliding) != (self.layers, self.sliding_layers):
+            raise ValueError(
+                f"kinds {self.kinds!r} do not hold {self.layers} KV layers, {self.sliding_layers} sliding"
+            )
 
     def layer_kinds(self) -> tuple[str, ...]:
         """Every decoder layer's kind (:attr:`kinds`, or the full layers then the sliding ones)."""
@@ -244,8 +245,9 @@ def kv_cache_bytes(
     sizes = kv_sizes(source)
     if fmt != "kv4":
         return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    held = {"full": context, "sliding": sizes.sliding_held(context)}
     return batch * sum(
-        _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, sizes.sliding_held(context) if kind == "sliding" else context)
+        _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, held[kind])
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
         for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
     )

@@ -418,7 +418,8 @@ def evaluate(
             for ctx in settings.contexts:
                 row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk)
                 if method.kind in ("kv4", "sim"):
-                    row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, kv_heads, head_dim) for n in (4096, 16384)})
+                    row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, kv_heads, head_dim)
+                                for n in (4096, 16384)})  # fmt: skip
                 if failure is not None:
                     row["error"] = _reason(failure)
                 else:

@@ -593,7 +593,8 @@ def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     ``codes``/``scales`` are given: the error of the newest ``n_fine`` (default
     ``spec.refined_tokens(S, D)``), quantized."""
     S = stored.shape[2]
-    return _error_plane(stored, codes, scales, spec, S - (spec.refined_tokens(S, stored.shape[-1]) if n_fine is None else n_fine))
+    n_fine = spec.refined_tokens(S, stored.shape[-1]) if n_fine is None else n_fine
+    return _error_plane(stored, codes, scales, spec, S - n_fine)
 
 
 def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quantize):

@@ -451,8 +451,9 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits):
     model = build(name).eval()
     torch._dynamo.reset()
     step = torch.compile(model, backend=kvpass.kv4(k_layer_bits=k_layer_bits))
+    ids = torch.randint(3, 200, (2, 70))
     with torch.no_grad():
-        out = step(input_ids=torch.randint(3, 200, (2, 70)), past_key_values=DynamicCache(config=model.config), use_cache=True)
+        out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
     stored, _ = packed_and_fp16_bytes(out.past_key_values)
     assert stored == kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
