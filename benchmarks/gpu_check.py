@@ -195,6 +195,49 @@ def check_attention(kernels) -> bool:
     return ok
 
 
+def check_cuda_graph_decode() -> bool:
+    """Issue 5's CUDA-graph item: static-cache decode through generate's own compile route, kv4
+    with inductor inside and ``mode="reduce-overhead"``. Inductor must take CUDA graphs for every
+    decode graph (it skips them, and counts the skip, for a host sync, a CPU tensor or a mutated
+    input it cannot replay), later calls must allocate nothing new, and the tokens must equal
+    the same compile without CUDA graphs."""
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+    from transformers.generation import CompileConfig
+
+    import kvpass
+    from kvpass.models_zoo import build
+    from kvpass.packed import PackedKV
+
+    ids = torch.randint(3, 200, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    tokens, ok = {}, True
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build("llama_hd128", dtype=torch.float16).cuda()
+        kvpass.int4_static_caches(model)
+        model.generation_config.compile_config = CompileConfig(backend=kvpass.kv4(inner="inductor"), mode=mode)
+        peaks, times = [], []
+        for _ in range(3):  # the first call compiles and records; the others replay
+            cache = StaticCache(model.config, max_cache_len=128)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, past_key_values=cache)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            peaks.append(torch.cuda.max_memory_allocated())
+        int4 = all(isinstance(layer.keys, PackedKV) for layer in cache.layers)
+        skips = counters["inductor"]["cudagraph_skips"]
+        tokens[mode] = out
+        same_peak = peaks[1] == peaks[2]
+        ok &= int4 and same_peak and (mode == "default" or skips == 0)
+        print(f"cuda graphs {mode:16} int4 buffers {int4}, cudagraph skips {skips}, peak bytes so far "
+              f"{peaks}, generate {[f'{t:.2f} s' for t in times]}")  # fmt: skip
+    same = torch.equal(tokens["default"], tokens["reduce-overhead"])
+    print(f"cuda graphs tokens equal without them: {same}")
+    return ok and same
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; the CPU tests (tests/test_kernels.py) cover the interpreter", file=sys.stderr)
@@ -204,7 +247,7 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
-    ok &= check_narrow_heads()
+    ok &= check_narrow_heads() & check_cuda_graph_decode()
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 

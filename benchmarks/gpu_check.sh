@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of the Triton kernels: native (not interpreted) kernels against the reference
-# on random and odd shapes, then the decode benchmark, whose table prints last.
-# Installs nothing; expects `pip install -e .` done. About 2-4 minutes on an H200, most of
-# it Triton compilation.
+# on random and odd shapes, static-cache decode under CUDA graphs (mode="reduce-overhead"),
+# then the decode benchmark, whose table prints last. Installs nothing; expects
+# `pip install -e .` done. About 3-6 minutes on an H200 (not yet run), most of it compilation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 unset TRITON_INTERPRET
