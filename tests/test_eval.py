@@ -76,11 +76,21 @@ def test_agreement_counts_tokens_before_the_first_divergence():
     ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
     out = torch.tensor([[1, 2, 9, 4], [1, 2, 3, 4]])
     assert kv_eval.agreement(out, ref) == pytest.approx((2 / 4 + 1) / 2)
+    assert kv_eval.agreed_tokens(out, ref) == [2, 4]
+
+
+def test_paired_standard_error_of_a_perplexity_change():
+    base = [10.0, 12.0, 11.0, 9.0]
+    assert kv_eval.paired_delta_se([b + 0.5 for b in base], base, 256) == 0.0  # the same shift in every block
+    diffs = [0.5, 1.5, -0.5, 0.5]  # mean 0.5, sample sd sqrt(2/3)
+    se = kv_eval.paired_delta_se([b + d for b, d in zip(base, diffs)], base, 256)
+    assert se == pytest.approx(100 * math.exp(2 / 256) * 2 * math.sqrt(2 / 3) / 256)
+    assert kv_eval.paired_delta_se([1.0], [1.0], 64) is None
 
 
 def test_evaluate_grid_rows(model):
     texts = {"synthetic": _tokens(300, seed=3)}
-    settings = kv_eval.Settings(contexts=(96,), chunk=32, prompts=2, prompt_tokens=40, new_tokens=4)
+    settings = kv_eval.Settings(contexts=(160,), chunk=32, prompts=2, prompt_tokens=40, new_tokens=4)
     methods = [kv_eval.parse_method(m) for m in ("fp", "sim-kv4-rot", "quanto")]
     rows = kv_eval.evaluate(model, texts, methods, settings)
     by_name = {r["method"]: r for r in rows}
@@ -90,8 +100,14 @@ def test_evaluate_grid_rows(model):
     for row in rows:
         if "ppl" in row:
             assert math.isfinite(row["ppl"]) and 0 <= row["agreement"] <= 1 and 0 <= row["top1_match"] <= 1
+            # the error-bar data: each prompt's agreed tokens, each 64 scored tokens' summed NLL
+            assert len(row["agreed_tokens"]) == settings.prompts
+            assert sum(row["agreed_tokens"]) / (settings.prompts * settings.new_tokens) == row["agreement"]
+            assert len(row["nll_blocks"]) == math.ceil(row["scored"] / 64)
+            assert sum(row["nll_blocks"]) == pytest.approx(row["nll"] * row["scored"], abs=1e-4)
         else:
             assert row["error"].startswith("not run:")
+    assert by_name["sim-kv4-rot"]["delta_pct_se"] > 0 and "delta_pct_se" not in by_name["fp"]
     table = kv_eval.format_table(rows)
     assert "sim-kv4-rot" in table and "delta vs fp" in table
 
