@@ -441,8 +441,8 @@ def evaluate(
                     out = greedy(runner, prompts, settings.new_tokens, progress, f"{method.name} {text_name} greedy")
                     if method.kind == "fp":
                         baseline_tokens[text_name] = out
-                    agree = agreement(out, baseline_tokens[text_name])
                     agreed = agreed_tokens(out, baseline_tokens[text_name])
+                    agree = sum(agreed) / out.numel()
                 except Exception as exc:  # noqa: BLE001
                     failure_g = exc
                     log.exception("greedy run of %s failed", method.name)
