@@ -131,9 +131,10 @@ def element_bits(
     _check_format(fmt)
     if fmt != "kv4":
         return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
-    _check_positive_int("k_group", k_group)
-    _check_positive_int("v_group", v_group)
-    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    return _spec_bits(sizes, *_kv4_specs(sizes, k_group, v_group))
+
+
+def _spec_bits(sizes: KVSizes, k_spec: QuantSpec, v_spec: QuantSpec) -> tuple[float, float]:
     return tuple(
         reference.bits_per_value(spec, sizes.kv_heads, dim)
         for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
@@ -142,14 +143,15 @@ def element_bits(
 
 def _kv4_specs(sizes: KVSizes, k_group: int, v_group: int) -> tuple[QuantSpec, QuantSpec]:
     """The default K and V specs with these groups, as kv4 stores heads of these sizes."""
+    _check_positive_int("k_group", k_group)
+    _check_positive_int("v_group", v_group)
     return (
         dataclasses.replace(_DEFAULT.k, group=k_group).for_head_dim(sizes.k_head_dim),
         dataclasses.replace(_DEFAULT.v, group=v_group).for_head_dim(sizes.v_head_dim),
     )
 
 
-def _layer_token_bytes(sizes: KVSizes, fmt: str, k_group: int, v_group: int) -> float:
-    k_bits, v_bits = element_bits(fmt, sizes, k_group, v_group)
+def _layer_token_bytes(sizes: KVSizes, k_bits: float, v_bits: float) -> float:
     return sizes.kv_heads * (sizes.k_head_dim * k_bits + sizes.v_head_dim * v_bits) / 8
 
 
@@ -212,14 +214,13 @@ def kv_bytes_per_token(
     :func:`kv_sizes` accepts; ``k_layer_bits`` (kv4 only) as ``kvpass.kv4`` takes it.
     """
     sizes = kv_sizes(source)
-    if fmt != "kv4" or not k_layer_bits:
-        _check_kv4_only(fmt, k_layer_bits)
-        return sizes.layers * _layer_token_bytes(sizes, fmt, k_group, v_group)
+    _check_kv4_only(fmt, k_layer_bits)
+    if fmt != "kv4":
+        return sizes.layers * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
     return sum(
-        sum(reference.bits_per_value(spec, sizes.kv_heads, dim) * dim * sizes.kv_heads / 8
-            for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))
+        _layer_token_bytes(sizes, *_spec_bits(sizes, k_spec, v_spec))
         for _, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
-    )  # fmt: skip
+    )
 
 
 def _check_kv4_only(fmt: str, k_layer_bits: dict[int, int] | None) -> None:
@@ -244,7 +245,7 @@ def kv_cache_bytes(
     _check_kv4_only(fmt, k_layer_bits)
     sizes = kv_sizes(source)
     if fmt != "kv4":
-        return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, fmt, k_group, v_group)
+        return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
     held = {"full": context, "sliding": sizes.sliding_held(context)}
     return batch * sum(
         _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, held[kind])

@@ -8,11 +8,10 @@ no Python objects as constants. An asymmetric spec's zero points ride in ``scale
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from kvpass import ops, reference
+from kvpass import packed
 from kvpass.config import QuantSpec
 from kvpass.packed import PackedKV
 
@@ -61,30 +60,7 @@ def kv4_sdpa(
     softcap: float = 0.0,
     v_heads: list[int] | None = None,
 ) -> torch.Tensor:
-    """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored.
-
-    ``softcap`` is Gemma-2's ``cap * tanh(scores / cap)``, found in eager attention graphs.
-    No new tokens (``None``): a static cache, whose buffer already holds them.
-    ``v_heads[j]`` is the stored V head that head ``j`` of V reads (DiffLlama: a chunk of the
-    heads tiled back); it copies the picked heads' codes.
-    """
-    k_spec_, v_spec_ = _spec(k_spec), _spec(v_spec)
-    k, v = _as_packed(past_k, k_spec_), _as_packed(past_v, v_spec_)
-    if k_new is None:
-        k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
-    if v_heads is not None:
-        index = torch.tensor(v_heads, device=q.device)
-        # Groups spanning heads (span_heads) first give each head its own scale row to pick.
-        v_stored[1], v_stored[4] = (None if t is None else reference.per_head_scales(t, v.codes.shape[1])
-                                    for t in (v.scales, v.fine_scales))  # fmt: skip
-        v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
-    v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
-    return ops.attention(
-        q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
-        *ops.spec_args(k_spec_), *ops.spec_args(v_spec_), softcap,
-        k.fine_codes, k.fine_scales, v_fine_codes, v_fine_scales,  # a refined spec's second planes
-        k.head, k.offset, v_head, v_offset,  # fp sinks and a centered spec's offset
-    )  # fmt: skip
+    """``sdpa(q, cat([past_k, k_new]), cat([past_v, v_new]))`` reading the past as stored
+    (:func:`kvpass.packed.attention`, which says what the other arguments are)."""
+    k, v = _as_packed(past_k, _spec(k_spec)), _as_packed(past_v, _spec(v_spec))
+    return packed.attention(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads)

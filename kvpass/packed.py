@@ -36,7 +36,8 @@ class PackedKV(torch.Tensor):
     """A quantized KV cache tensor of logical shape ``[B, H, S, D]`` and float dtype.
 
     HF cache code sees an ordinary ``[B, H, S, D]`` tensor (``.shape``, ``cat`` along the
-    sequence, batch indexing for beam search, sequence slicing for ``crop``); the storage is
+    sequence, batch indexing for beam search, sequence slicing for ``crop``; an uncompiled SDPA
+    reads it block by block, :func:`attention`); the storage is
 
     * ``codes``: ``uint8 [B, H, S_q, D * bits // 8]``, the quantized tokens, packed along D
       (signed codes offset by ``2**(bits-1)`` when ``spec.symmetric``, else unsigned);
@@ -626,6 +627,93 @@ def _elementwise_identity_impl(func, args, kwargs):
     if func is aten.clone.default:
         return _map_inner(t, torch.clone)
     return return_and_correct_aliasing(func, args, kwargs, _map_inner(t, func))
+
+
+# --- attention ----------------------------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor,
+    k: PackedKV,
+    v: PackedKV,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float = 0.0,
+    v_heads: list[int] | None = None,
+) -> torch.Tensor:
+    """``sdpa(q, cat([k, k_new]), cat([v, v_new]))`` through ``kv4::attention``: the stored
+    tokens are read a block at a time, never as a whole fp tensor.
+
+    No new tokens (``None``): a static cache, whose buffer already holds them. ``softcap`` is
+    Gemma-2's ``cap * tanh(scores / cap)``. ``v_heads[j]`` is the stored V head that head ``j`` of V
+    reads (DiffLlama: a chunk of the heads tiled back); it copies the picked heads' codes.
+    """
+    if k_new is None:
+        k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
+    if v_heads is not None:
+        index = torch.tensor(v_heads, device=q.device)
+        # Groups spanning heads (span_heads) first give each head its own scale row to pick.
+        v_stored[1], v_stored[4] = (None if t is None else reference.per_head_scales(t, v.codes.shape[1])
+                                    for t in (v.scales, v.fine_scales))  # fmt: skip
+        v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
+    v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
+    return ops.attention(
+        q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
+        *ops.spec_args(k.spec), *ops.spec_args(v.spec), softcap,
+        k.fine_codes, k.fine_scales, v_fine_codes, v_fine_scales,  # a refined spec's second planes
+        k.head, k.offset, v_head, v_offset,  # fp sinks and a centered spec's offset
+    )  # fmt: skip
+
+
+# SDPA's fused kernels, which F.scaled_dot_product_attention dispatches to, and the name of each
+# one's mask argument (None: it takes none). An uncompiled forward over a kv4 cache reaches them
+# (generate's eager prefill into a static cache, a model run without torch.compile).
+_SDPA_MASK_ARGUMENT = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    aten._scaled_dot_product_flash_attention.default: None,
+}
+
+
+def _bound(func, args, kwargs) -> dict:
+    """``func``'s arguments by name, defaults filled in."""
+    schema = func._schema.arguments
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named.update(zip((a.name for a in schema), args))
+    named.update(kwargs)
+    return named
+
+
+@_implements(*_SDPA_MASK_ARGUMENT)
+def _sdpa_impl(func, args, kwargs):
+    arg = _bound(func, args, kwargs)
+    q, k, v = arg["query"], arg["key"], arg["value"]
+    if isinstance(q, PackedKV) or not (isinstance(k, PackedKV) and isinstance(v, PackedKV)):
+        return NotImplemented
+    if arg["dropout_p"] or q.requires_grad:
+        return NotImplemented  # training: the fallback runs the real kernel, whose logsumexp a backward needs
+    mask_argument = _SDPA_MASK_ARGUMENT[func]
+    out = attention(
+        q, k, v, attn_mask=arg[mask_argument] if mask_argument else None, scale=arg["scale"], is_causal=arg["is_causal"]
+    )
+    # The kernel's other outputs (logsumexp, RNG state, sequence bounds) are read only by its backward,
+    # which an input without grad never runs: shaped as the kernel's meta function says, NaN or zero.
+    meta_args, meta_kwargs = torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), (args, kwargs)
+    )
+    _, *rest = func(*meta_args, **meta_kwargs)
+    unused = torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.full(t.shape, math.nan if t.is_floating_point() else 0, dtype=t.dtype, device=q.device),
+        rest,
+    )  # fmt: skip
+    return (out.to(q.dtype), *unused)
 
 
 # --- everything else ----------------------------------------------------------------------

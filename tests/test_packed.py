@@ -132,6 +132,77 @@ def test_in_place_op_writes_back_into_the_cache(spec):
     assert isinstance(p, PackedKV) and torch.equal(p.dequantize(), torch.zeros(p.shape, dtype=p.dtype))
 
 
+def _attention_inputs(mask_kind, T=5, S=150):
+    """GQA queries (4 heads over 2 KV heads) and a mask of ``mask_kind`` over ``S`` keys."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, T, 64, generator=generator)
+    if mask_kind == "causal":
+        return q, None
+    keep = torch.arange(S)[None, :] >= torch.tensor([0, 7, 40])[:, None]  # left padding per sequence
+    if mask_kind == "bool":
+        return q, keep[:, None, None, :].expand(3, 1, T, S)
+    bias = torch.randn(3, 4, T, S, generator=generator)  # an ALiBi-style additive bias per head
+    return q, bias.masked_fill(~keep[:, None, None, :], float("-inf"))
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+def test_uncompiled_sdpa_reads_the_stored_cache_without_the_fallback(spec, mask_kind, monkeypatch):
+    """F.scaled_dot_product_attention over PackedKV K and V (a model run without torch.compile)
+    goes through kv4's blockwise attention, not a dequantized copy, and equals SDPA over the
+    stored values."""
+    torch.manual_seed(0)
+    k, v = (PackedKV.from_float(torch.randn(3, 2, 150, 64), spec) for _ in range(2))
+    q, mask = _attention_inputs(mask_kind, T=150 if mask_kind == "causal" else 5)
+    monkeypatch.setattr(packed, "_fallback", lambda func, *_: pytest.fail(f"{func} went through the fallback"))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.dequantize(), v.dequantize(), attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel, mask_argument",
+    [
+        (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, "attn_mask"),
+        (torch.ops.aten._scaled_dot_product_efficient_attention.default, "attn_bias"),
+        (torch.ops.aten._scaled_dot_product_cudnn_attention.default, "attn_bias"),
+        (torch.ops.aten._scaled_dot_product_flash_attention.default, None),
+    ],
+)
+def test_each_fused_sdpa_kernel_reads_the_stored_cache(kernel, mask_argument):
+    """The kernels SDPA picks on CPU and CUDA, called as it calls them: the attention output, and
+    the other outputs shaped as the kernel's own meta function gives them."""
+    k, v = (PackedKV.from_float(torch.randn(3, 2, 150, 64), KVConfig().k) for _ in range(2))
+    q, mask = _attention_inputs("causal" if mask_argument is None else "additive")
+    options = {"is_causal": mask is None, "scale": 0.3}
+    if mask_argument == "attn_bias":
+        options |= {"attn_bias": mask, "compute_log_sumexp": False}
+    elif mask_argument:
+        options[mask_argument] = mask
+    out, *rest = kernel(q, k, v, **options)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.dequantize(), v.dequantize(), attn_mask=mask, is_causal=mask is None, scale=0.3, enable_gqa=True
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    as_meta = {name: t.to("meta") if isinstance(t, torch.Tensor) else t for name, t in options.items()}
+    meta = kernel(*(t.to("meta") for t in (q, k.dequantize(), v.dequantize())), **as_meta)
+    assert [getattr(t, "shape", t) for t in rest] == [getattr(t, "shape", t) for t in meta[1:]]
+
+
+def test_sdpa_whose_query_needs_a_gradient_takes_the_fallback():
+    """Training through a kv4 cache: the real kernel runs on the dequantized cache, so the backward
+    gets the logsumexp it needs."""
+    k, v = (PackedKV.from_float(torch.randn(1, 2, 20, 64), KVConfig().k) for _ in range(2))
+    q = torch.randn(1, 2, 3, 64, requires_grad=True)
+    torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    expected = torch.randn(1, 2, 3, 64).copy_(q.detach()).requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(expected, k.dequantize(), v.dequantize()).sum().backward()
+    torch.testing.assert_close(q.grad, expected.grad)
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"must be \[B, H, S, D\], got shape \(4, 8\)"):
         PackedKV.from_float(torch.randn(4, 8), QuantSpec())

@@ -6,7 +6,7 @@ from transformers import StaticCache
 from transformers.generation import CompileConfig
 
 import kvpass
-from kvpass import ops, reference
+from kvpass import ops, packed, reference
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
@@ -139,10 +139,8 @@ def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_
     assert not isinstance(cache.layers[0].keys, PackedKV)
 
 
-def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
-    """A 1024-slot buffer holding under 40 tokens: decode dequantizes its first block only."""
-    torch._dynamo.reset()
-    model = build("llama")
+def _record_block_reads(monkeypatch) -> list[int]:
+    """The first token of every block of stored K and V that attention dequantizes, from now on."""
     read = []
     original = reference._Stored.block
 
@@ -151,11 +149,36 @@ def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
         return original(self, start, stop)
 
     monkeypatch.setattr(reference._Stored, "block", recording)
+    return read
+
+
+def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
+    """A 1024-slot buffer holding under 40 tokens: decode dequantizes its first block only."""
+    torch._dynamo.reset()
+    model = build("llama")
+    read = _record_block_reads(monkeypatch)
     model.compile(backend=kvpass.kv4())
     model.generate(
         _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
     )
     assert read and set(read) == {0}
+
+
+def test_uncompiled_forward_reads_a_static_cache_block_by_block(monkeypatch):
+    """No torch.compile (as in generate's eager prefill): SDPA over the int4 buffers goes through
+    kv4's attention, which dequantizes only the blocks holding tokens, never the whole buffer."""
+    model = build("llama")
+    read = _record_block_reads(monkeypatch)
+    monkeypatch.setattr(packed, "_fallback", lambda func, *_: pytest.fail(f"{func} went through the fallback"))
+    out = model.generate(
+        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
+    )
+    assert read and set(read) == {0}
+    monkeypatch.undo()
+    expected = model.generate(
+        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+    )
+    assert torch.equal(out, expected)
 
 
 def test_generate_own_static_cache_is_int4_when_the_model_opts_in():
