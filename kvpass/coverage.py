@@ -425,14 +425,30 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def markdown(rows: list[dict], summary: dict, command: str) -> str:
+def merged(saved: dict, rerun: list[dict], command: str) -> tuple[list[dict], list[str]]:
+    """A saved matrix (``--json``'s content) with the ``rerun`` rows in place of its rows of the same
+    types, and the commands that made it, ``command`` last."""
+    if "commands" not in saved:
+        raise ValueError("this JSON does not name the command that made it (written before --update existed); "
+                         "rerun the whole matrix or add its command as a \"commands\" list")  # fmt: skip
+    unknown = {r["model_type"] for r in rerun} - {r["model_type"] for r in saved["rows"]}
+    if unknown:
+        raise ValueError(f"--update reruns rows the JSON holds; it has none for {sorted(unknown)}")
+    by_type = {r["model_type"]: r for r in saved["rows"]} | {r["model_type"]: r for r in rerun}
+    return list(by_type.values()), [*saved["commands"], command]
+
+
+def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
+    """The support matrix page; ``commands`` made its rows, each later one rerunning the types it names."""
     import torch
     import transformers
 
+    made_by = "`, then `".join(commands)
+    reruns = " (each later command reran the types it names and replaced their rows)" if len(commands) > 1 else ""
     lines = [
         "# Support matrix",
         "",
-        f"Made by `{command}` with torch {torch.__version__} and transformers {transformers.__version__}.",
+        f"Made by `{made_by}`{reruns} with torch {torch.__version__} and transformers {transformers.__version__}.",
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
         f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
         f"a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
@@ -461,6 +477,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
     parser.add_argument("--json", help="also write the rows as JSON here")
     parser.add_argument(
+        "--update", action="store_true",
+        help="rerun only the named model types and replace their rows in the --json file (and --output)",
+    )  # fmt: skip
+    parser.add_argument(
         "--head-dim", type=int, default=TINY["head_dim"],
         help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})",
     )  # fmt: skip
@@ -469,19 +489,24 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
+    if args.update and not (args.json and args.model_types):
+        raise ValueError("--update reruns the named model types into an existing --json file: give both")
     set_head_dim(args.head_dim)
     types = args.model_types or causal_lm_types()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(_run_isolated, t, args.timeout, args.head_dim): t for t in types}
         rows = [f.result() for f in tqdm(concurrent.futures.as_completed(futures), total=len(types), desc="model types")]
+    command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
+    commands = [command]
+    if args.update:
+        rows, commands = merged(json.loads(Path(args.json).read_text()), rows, command)
     rows.sort(key=lambda r: r["model_type"])
     summary = summarize(rows)
-    command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
-    text = markdown(rows, summary, command)
+    text = markdown(rows, summary, commands)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"summary": summary, "commands": commands, "rows": rows}, indent=1))
     print(text)
     return 0
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvpass import cli, coverage
 from kvpass.coverage import check_one, site_status, tiny_config
 from kvpass.passes import SiteReport
 
@@ -134,3 +135,33 @@ def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():
     assert site_status([done, refused], 4, 2) == ("partly rewritten", ["K does not come from a cache write"])
     assert site_status([refused], 4, 0) == ("left fp16", ["K does not come from a cache write"])
     assert site_status([], 4, 0)[0] == "no site found"
+
+
+def test_update_replaces_the_rerun_rows_and_names_every_command():
+    saved = {
+        "commands": ["kvpass coverage --head-dim 8"],
+        "rows": [
+            {"model_type": "llama", "status": "rewritten", "sites": "2/2", "bytes_ratio": 0.3, "logits_error": 0.0},
+            {"model_type": "longcat_flash", "status": "timed out", "reason": "over 150 s"},
+        ],
+    }
+    rerun = [{"model_type": "longcat_flash", "status": "rewritten", "sites": "4/4", "bytes_ratio": 0.31,
+              "logits_error": 0.0}]  # fmt: skip
+    rows, commands = coverage.merged(saved, rerun, "kvpass coverage longcat_flash --update")
+    assert sorted((r["model_type"], r["status"]) for r in rows) == [("llama", "rewritten"), ("longcat_flash", "rewritten")]
+    assert commands == ["kvpass coverage --head-dim 8", "kvpass coverage longcat_flash --update"]
+    page = coverage.markdown(rows, coverage.summarize(rows), commands)
+    assert "Made by `kvpass coverage --head-dim 8`, then `kvpass coverage longcat_flash --update` (each later" in page
+    assert "**2 of 2**" in page
+
+    with pytest.raises(ValueError, match=r"none for \['gpt2'\]"):
+        coverage.merged(saved, [{"model_type": "gpt2", "status": "rewritten"}], "kvpass coverage gpt2 --update")
+    with pytest.raises(ValueError, match="does not name the command"):
+        coverage.merged({"rows": saved["rows"]}, rerun, "kvpass coverage longcat_flash --update")
+
+
+def test_update_needs_the_json_it_updates_and_the_types_to_rerun(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["coverage", "--update", "llama"])
+    assert exit_.value.code == 2
+    assert "--update reruns the named model types into an existing --json file" in capsys.readouterr().err
