@@ -19,6 +19,9 @@ Protocol (see ``docs/eval.md``):
   negative log-likelihood of every 64 scored tokens (``nll_blocks``). Methods read the same
   tokens, so block differences against ``fp`` give the perplexity change a standard error
   (``delta_pct_se``, blocks taken as independent), and any two rows can be compared the same way.
+* **Near-ties.** The ``fp`` row keeps its top-1 minus top-2 logit at every greedy step
+  (``greedy_margins``), and every row that margin at each prompt's first divergence
+  (``fp_margin_at_divergence``): how close to a tie the pick was that a method flipped.
 
 Methods (``--methods``, comma separated):
 
@@ -319,19 +322,28 @@ def perplexity(runner: Runner, ids: torch.Tensor, chunk: int, **kwargs) -> float
 
 
 @torch.no_grad()
-def greedy(runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: bool = False, desc: str = ""):
-    """Greedy continuation ``[B, new_tokens]`` of ``prompts [B, P]`` through the forward loop."""
+def greedy(
+    runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: bool = False, desc: str = "",
+    margins: list | None = None,
+):  # fmt: skip
+    """Greedy continuation ``[B, new_tokens]`` of ``prompts [B, P]`` through the forward loop.
+    ``margins``, if given, receives each step's top-1 minus top-2 logit ``[B]``: how near a tie
+    the pick was."""
     cache = runner.new_cache()
-    out = runner.step(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     bar = progress_bar(new_tokens, desc, progress)
-    bar.update(1)
-    for _ in range(new_tokens - 1):
-        out = runner.step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-        tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    tokens = []
+    for step in range(new_tokens):
+        ids = prompts if step == 0 else tokens[-1]
+        out = runner.step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        tokens.append(logits.argmax(-1, keepdim=True))
+        if margins is not None:
+            top2 = logits.topk(2, dim=-1).values
+            margins.append(top2[:, 0] - top2[:, 1])
         bar.update(1)
     bar.close()
-    runner.check(out.past_key_values)
+    runner.check(cache)
     return torch.cat(tokens, dim=1)
 
 
@@ -344,6 +356,13 @@ def top1_match(predictions: list, reference: list) -> float:
 def agreed_tokens(tokens: torch.Tensor, reference: torch.Tensor) -> list[int]:
     """Per row, the generated tokens equal to the reference before the first divergence."""
     return (tokens == reference).int().cumprod(dim=1).sum(dim=1).tolist()
+
+
+def margins_at_divergence(agreed: list[int], reference_margins: torch.Tensor) -> list[float | None]:
+    """Per row, the reference's top-1 minus top-2 logit at the step where the row first differs
+    from it (None: it never does). ``reference_margins [B, new_tokens]``."""
+    new_tokens = reference_margins.shape[1]
+    return [None if n == new_tokens else round(reference_margins[i, n].item(), 4) for i, n in enumerate(agreed)]
 
 
 def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
@@ -420,6 +439,7 @@ def evaluate(
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     baseline_ppl: dict[tuple[str, int], float] = {}
     baseline_tokens: dict[str, torch.Tensor] = {}
+    baseline_margins: dict[str, torch.Tensor] = {}  # [prompts, new_tokens] top-1 minus top-2 logit
     baseline_predictions: dict[tuple[str, int], list] = {}
     baseline_blocks: dict[tuple[str, int], list[float]] = {}
     rows = []
@@ -431,18 +451,22 @@ def evaluate(
         except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
             runner, failure = None, exc
         for text_name, tokens in texts.items():
-            agree, agreed, greedy_s, failure_g = None, None, None, None
+            agree, agreed, greedy_s, failure_g, divergence_margins = None, None, None, None, None
             if settings.greedy and runner is not None and failure is None:
                 prompts = prompts_from(tokens, max(settings.contexts), settings.prompts, settings.prompt_tokens)
                 if prefix is not None:
                     prompts = torch.cat([prefix.expand(len(prompts), -1), prompts], dim=1)
                 t0 = time.perf_counter()
                 try:
-                    out = greedy(runner, prompts, settings.new_tokens, progress, f"{method.name} {text_name} greedy")
+                    margins = []
+                    out = greedy(runner, prompts, settings.new_tokens, progress, f"{method.name} {text_name} greedy",
+                                 margins)  # fmt: skip
                     if method.kind == "fp":
                         baseline_tokens[text_name] = out
+                        baseline_margins[text_name] = torch.stack(margins, dim=1)
                     agreed = agreed_tokens(out, baseline_tokens[text_name])
                     agree = sum(agreed) / out.numel()
+                    divergence_margins = margins_at_divergence(agreed, baseline_margins[text_name])
                 except Exception as exc:  # noqa: BLE001
                     failure_g = exc
                     log.exception("greedy run of %s failed", method.name)
@@ -488,6 +512,9 @@ def evaluate(
                         row["ppl_s"] = time.perf_counter() - t0
                     row["agreement"] = agree
                     row["agreed_tokens"] = agreed
+                    row["fp_margin_at_divergence"] = divergence_margins
+                    if method.kind == "fp" and text_name in baseline_margins:
+                        row["greedy_margins"] = baseline_margins[text_name].round(decimals=4).tolist()
                     row["greedy_s"] = greedy_s
                     if failure_g is not None:
                         row["greedy_error"] = _reason(failure_g)

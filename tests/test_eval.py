@@ -79,6 +79,23 @@ def test_agreement_counts_tokens_before_the_first_divergence():
     assert kv_eval.agreed_tokens(out, ref) == [2, 4]
 
 
+def test_margin_at_divergence_is_the_references_at_the_first_differing_step():
+    margins = torch.tensor([[0.5, 0.25, 3.0, 1.0], [2.0, 0.125, 0.75, 4.0]])
+    assert kv_eval.margins_at_divergence([2, 4], margins) == [3.0, None]
+    assert kv_eval.margins_at_divergence([0, 1], margins) == [0.5, 0.125]
+
+
+def test_greedy_margins_are_the_gap_between_the_two_likeliest_tokens(model):
+    prompts = kv_eval.prompts_from(_tokens(400, seed=2), 0, 2, 40)
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    margins = []
+    tokens = kv_eval.greedy(runner, prompts, 3, margins=margins)
+    with torch.no_grad():
+        logits = model(torch.cat([prompts, tokens[:, :2]], dim=1)).logits[:, -3:].float()
+    top2 = logits.topk(2, dim=-1).values
+    torch.testing.assert_close(torch.stack(margins, dim=1), top2[..., 0] - top2[..., 1], atol=1e-4, rtol=1e-4)
+
+
 def test_paired_standard_error_of_a_perplexity_change():
     base = [10.0, 12.0, 11.0, 9.0]
     assert kv_eval.paired_delta_se([b + 0.5 for b in base], base, 256) == 0.0  # the same shift in every block
@@ -103,6 +120,11 @@ def test_evaluate_grid_rows(model):
             # the error-bar data: each prompt's agreed tokens, each 64 scored tokens' summed NLL
             assert len(row["agreed_tokens"]) == settings.prompts
             assert sum(row["agreed_tokens"]) / (settings.prompts * settings.new_tokens) == row["agreement"]
+            # the fp pick's margin where each prompt first differs, None where it never does
+            fp_margins = by_name["fp"]["greedy_margins"]
+            assert row["fp_margin_at_divergence"] == [
+                None if n == settings.new_tokens else fp_margins[i][n] for i, n in enumerate(row["agreed_tokens"])
+            ]
             assert len(row["nll_blocks"]) == math.ceil(row["scored"] / 64)
             assert sum(row["nll_blocks"]) == pytest.approx(row["nll"] * row["scored"], abs=1e-4)
         else:

@@ -192,6 +192,21 @@ def test_each_fused_sdpa_kernel_reads_the_stored_cache(kernel, mask_argument):
     assert [getattr(t, "shape", t) for t in rest] == [getattr(t, "shape", t) for t in meta[1:]]
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_sdpa_over_packed_inputs_compiles(backend):
+    """A graph taking PackedKV inputs that no kv4 pass rewrote: Dynamo and AOTAutograd trace
+    through the same implementation (its meta call included)."""
+    k, v = (PackedKV.from_float(torch.randn(1, 2, 40, 64), KVConfig().k) for _ in range(2))
+    q = torch.randn(1, 4, 3, 64)
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(attend, backend=backend, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out, attend(q, k.dequantize(), v.dequantize()), atol=1e-5, rtol=1e-5)
+
+
 def test_sdpa_whose_query_needs_a_gradient_takes_the_fallback():
     """Training through a kv4 cache: the real kernel runs on the dequantized cache, so the backward
     gets the logsumexp it needs."""
