@@ -195,6 +195,50 @@ def check_attention(kernels) -> bool:
     return ok
 
 
+def check_eager_sdpa(device: str = "cuda") -> bool:
+    """An uncompiled SDPA over PackedKV K and V (generate's eager prefill into a static cache, a
+    model run without torch.compile): the fused kernel torch picks for these inputs must be one
+    PackedKV implements (no dequantizing fallback), and the output must equal SDPA over the
+    dequantized cache."""
+    from kvpass import packed
+    from kvpass.packed import PackedKV
+
+    picked, fell_back = [], []
+    table, fallback = packed._IMPLEMENTATIONS, packed._fallback
+
+    def recorded(op, impl):
+        return lambda func, args, kwargs: picked.append(op.__name__) or impl(func, args, kwargs)
+
+    saved = {op: table[op] for op in packed._SDPA_MASK_ARGUMENT}
+    table.update({op: recorded(op, impl) for op, impl in saved.items()})
+    packed._fallback = lambda func, args, kwargs: fell_back.append(str(func)) or fallback(func, args, kwargs)
+    ok = True
+    try:
+        for dtype in (torch.float16, torch.bfloat16):
+            for q_len, mask_kind in ((300, "causal"), (1, "pad"), (33, "pad")):
+                picked.clear(), fell_back.clear()
+                k, v = (PackedKV.from_float(torch.randn(2, 8, 300, 128, device=device, dtype=dtype), spec)
+                        for spec in DEFAULT)  # fmt: skip
+                q = torch.randn(2, 32, q_len, 128, device=device, dtype=dtype)
+                mask = None
+                if mask_kind == "pad":
+                    mask = (torch.arange(300, device=device) >= torch.tensor([[0], [57]], device=device))[:, None, None]
+                options = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **options)
+                expected = torch.nn.functional.scaled_dot_product_attention(
+                    q.float(), k.dequantize().float(), v.dequantize().float(), **options
+                )
+                good = torch.allclose(out.float(), expected, **TOLERANCE[dtype]) and not fell_back
+                ok &= good
+                print(f"eager sdpa {str(dtype):15} q_len {q_len:3} {mask_kind:6} {'ok' if good else 'FAIL'}: "
+                      f"kernel {picked or '-'}, fallback {fell_back or '-'}, "
+                      f"max err {(out.float() - expected).abs().max().item():.2e}")  # fmt: skip
+    finally:
+        table.update(saved)
+        packed._fallback = fallback
+    return ok
+
+
 def check_cuda_graph_decode() -> bool:
     """Issue 5's CUDA-graph item: static-cache decode through generate's own compile route, kv4
     with inductor inside and ``mode="reduce-overhead"``. Inductor must take CUDA graphs for every
@@ -247,7 +291,7 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
-    ok &= check_narrow_heads() & check_cuda_graph_decode()
+    ok &= check_narrow_heads() & check_eager_sdpa() & check_cuda_graph_decode()
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 
