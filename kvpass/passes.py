@@ -272,9 +272,10 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
             raise NoMatch(f"{role} reads a prefix of {root.name}, which is not a static cache buffer")
     if root.op == "placeholder" or _is_buffer_ctor(root):
         return _static_cache_write(root, chain, role)
-    overflow = _window_overflow_write(root)
+    overflow = _window_overflow_write(root, chain)
     if overflow is not None:
-        return _CacheWrite(overflow, overflow.args[0], root, chain, reads_new=True)
+        copy, stored = overflow
+        return _CacheWrite(copy, copy.args[0], stored, chain, reads_new=True)
     if not _is_sequence_cat(root):
         raise NoMatch(
             f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}"
@@ -357,18 +358,21 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
     return _CacheWrite(write, buffer, write.args[3], chain)
 
 
-def _window_overflow_write(new: fx.Node) -> fx.Node | None:
-    """``buffer.copy_(new[:, :, -window:])`` into a buffer this graph allocates, if there is one.
+def _window_overflow_write(new: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
+    """``(buffer.copy_(stored[:, :, -window:]), stored)`` into a buffer this graph allocates, if there is one.
 
     ``StaticSlidingWindowLayer``'s first update with more tokens than its window: it keeps the
-    newest and attends over all of ``new``.
+    newest and attends over all of them. ``stored`` is ``new``, or an fp32 cast of it on the way
+    to attention (``chain``) where the layer upcasts K/V before its cache update (Beam).
     """
-    for user in new.users:
-        if not _is_sequence_slice(user):
-            continue
-        for copy in user.users:
-            if copy.op == "call_method" and copy.target == "copy_" and copy.args[1] is user and _is_buffer_ctor(copy.args[0]):
-                return copy
+    for stored in (new, *(n for n in chain if _is_fp32_cast(n))):
+        for user in stored.users:
+            if not _is_sequence_slice(user):
+                continue
+            for copy in user.users:
+                if (copy.op == "call_method" and copy.target == "copy_" and copy.args[1] is user
+                        and _is_buffer_ctor(copy.args[0])):  # fmt: skip
+                    return copy, stored
     return None
 
 

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from transformers import StaticCache
+from transformers import AutoModelForCausalLM, StaticCache
 from transformers.generation import CompileConfig
 
 import kvpass
 from kvpass import ops, packed, reference
 from kvpass.config import QuantSpec
+from kvpass.coverage import tiny_config
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
 from kvpass.static import StaticKVCache, int4_static_caches
@@ -122,6 +123,24 @@ def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_gra
         _prompt(prompt), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(eager.config, max_cache_len=size)
     )
     assert torch.equal(out.sequences, expected)
+
+
+def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing_prompt_int4():
+    """Beam casts K and V to fp32 before its cache update: a first update longer than the window is
+    copied into the buffer from that cast, which the pass follows to allocate the buffer int4."""
+    torch._dynamo.reset()
+    config = tiny_config("beam")
+    assert config.sliding_window < 40 and "sliding_attention" in config.layer_types
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(
+        _prompt(40), max_new_tokens=4, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    assert all(isinstance(t, PackedKV) for layer in out.cache.layers for t in (layer.keys, layer.values))
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten for site in sites)
 
 
 def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4():
