@@ -305,8 +305,9 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
     return out
 
 
-def check_one(model_type: str) -> dict:
-    """The row of one model type; runs in a subprocess (see :func:`run`)."""
+def check_one(model_type: str, routes: bool = False) -> dict:
+    """The row of one model type; runs in a subprocess (see :func:`run`). ``routes``: also
+    :func:`check_routes` once the type is fully rewritten."""
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -364,6 +365,8 @@ def check_one(model_type: str) -> dict:
     tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)]
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     status, reasons = site_status(sites, len(tensors), len(packed))
+    if routes and status == "rewritten":
+        row["routes"] = check_routes(model)
     return {
         **row,
         "status": status,
@@ -391,16 +394,66 @@ def site_status(sites, n_tensors: int, n_packed: int) -> tuple[str, list[str]]:
     return ("partly rewritten" if rewritten else "left fp16"), reasons
 
 
+# generate's options for each route a user takes on a kv4-compiled model, on a left-padded batch.
+ROUTES = {
+    "beam search": {"num_beams": 2},
+    "padded batch": {},
+    "static cache": {"cache_implementation": "static"},
+}
+
+
+def check_routes(model) -> dict[str, str]:
+    """Each of :data:`ROUTES` through ``model.compile(backend="kv4")`` and ``generate``: ``"int4
+    0.317"`` (every attention cache tensor packed; stored / fp16 bytes), ``"fp16 n/m: reason"``
+    (n of m tensors left fp16, and the first unrewritten site's reason) or ``"fails: error"``."""
+    import torch
+
+    import kvpass
+    from kvpass.packed import PackedKV
+
+    text = model.config.get_text_config(decoder=True)
+    vocab = min(text.vocab_size or 256, 256)
+    ids = torch.randint(3, vocab, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    pad = model.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    ids[0, :7] = pad
+    results = {}
+    for route, options in ROUTES.items():
+        torch._dynamo.reset()
+        backend = kvpass.kv4()
+        model.compile(backend=backend)
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad,
+                                     return_dict_in_generate=True, **options)  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - the route's finding
+            results[route] = f"fails: {_short(err)}"
+            continue
+        cache = getattr(out, "cache", None) or out.past_key_values
+        tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()]  # fmt: skip
+        packed = [t for t in tensors if isinstance(t, PackedKV)]
+        if tensors and len(packed) == len(tensors):
+            results[route] = f"int4 {sum(t.stored_bytes() for t in packed) / sum(t.numel() * 2 for t in packed):.3f}"
+        else:
+            why = next((site.reason for graph in backend.graphs for site in graph.sites if not site.rewritten), "")
+            results[route] = f"fp16 {len(tensors) - len(packed)}/{len(tensors)}: {why[:160]}"
+    return results
+
+
 def _short(err: BaseException) -> str:
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")  # ImportError text starts blank
     return f"{type(err).__name__}: {first[:200]}"
 
 
-def _run_isolated(model_type: str, timeout: float, head_dim: int) -> dict:
+def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool = False) -> dict:
     start = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "kvpass.coverage", "--one", model_type, "--head-dim", str(head_dim)],
+            [sys.executable, "-m", "kvpass.coverage", "--one", model_type, "--head-dim", str(head_dim),
+             *(["--routes"] if routes else [])],
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -444,6 +497,7 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
     import transformers
 
     made_by = "`, then `".join(commands)
+    share = "" if summary["fraction"] is None else f" ({summary['fraction']:.0%})"
     reruns = " (each later command reran the types it names and replaced their rows)" if len(commands) > 1 else ""
     lines = [
         "# Support matrix",
@@ -456,17 +510,25 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
         "the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
         f"**{summary['fully_rewritten']} of {summary['with_attention_cache_running_eagerly']}** types that have an "
-        f"attention KV cache and run eagerly are fully rewritten ({summary['fraction']:.0%}); "
+        f"attention KV cache and run eagerly are fully rewritten{share}; "
         f"{summary['types']} causal-LM types in all.",
         "",
-        "| model type | status | sites | bytes | logits error | reason |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
+    routes = list(ROUTES) if any("routes" in r for r in rows) else []
+    if routes:
+        lines += [
+            "Route columns: `generate` on the kv4-compiled model with a left-padded batch of 2 (6 new tokens):",
+            "`int4` and stored / fp16 bytes of every attention cache tensor, or what stayed fp16 and why.",
+            "",
+        ]
+    header = ["model type", "status", "sites", "bytes", "logits error", *routes, "reason"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         err = f"{r['logits_error']:.1e}" if r.get("logits_error") is not None else ""
         ratio = f"{r['bytes_ratio']:.3f}" if r.get("bytes_ratio") is not None else ""
-        reason = r.get("reason", "").replace("|", "\\|")
-        lines.append(f"| {r['model_type']} | {r['status']} | {r.get('sites', '')} | {ratio} | {err} | {reason} |")
+        cells = [r["model_type"], r["status"], r.get("sites", ""), ratio, err,
+                 *(r.get("routes", {}).get(route, "") for route in routes), r.get("reason", "")]  # fmt: skip
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -476,6 +538,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="model types checked at once")
     parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
     parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument(
+        "--routes", action="store_true",
+        help="also generate through kv4 with beam search, a padded batch and a static cache (per fully rewritten type)",
+    )  # fmt: skip
     parser.add_argument(
         "--update", action="store_true",
         help="rerun only the named model types and replace their rows in the --json file (and --output)",
@@ -494,7 +560,7 @@ def run(args) -> int:
     set_head_dim(args.head_dim)
     types = args.model_types or causal_lm_types()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(_run_isolated, t, args.timeout, args.head_dim): t for t in types}
+        futures = {pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes): t for t in types}
         rows = [f.result() for f in tqdm(concurrent.futures.as_completed(futures), total=len(types), desc="model types")]
     command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
     commands = [command]
@@ -512,7 +578,7 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--one" and sys.argv[3] == "--head-dim":
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--one" and sys.argv[3] == "--head-dim":
         logging.basicConfig(level=logging.ERROR)
         set_head_dim(int(sys.argv[4]))
-        print(json.dumps(check_one(sys.argv[2])))
+        print(json.dumps(check_one(sys.argv[2], routes=sys.argv[5:] == ["--routes"])))

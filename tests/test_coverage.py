@@ -5,6 +5,7 @@ import torch
 
 from kvpass import cli, coverage
 from kvpass.coverage import check_one, site_status, tiny_config
+from kvpass.models_zoo import build
 from kvpass.passes import SiteReport
 
 
@@ -165,3 +166,25 @@ def test_update_needs_the_json_it_updates_and_the_types_to_rerun(capsys):
         cli.main(["coverage", "--update", "llama"])
     assert exit_.value.code == 2
     assert "--update reruns the named model types into an existing --json file" in capsys.readouterr().err
+
+
+def test_routes_generate_int4_through_beam_search_a_padded_batch_and_a_static_cache():
+    """What a user tries first on a compiled model, each route's cache checked for int4."""
+    routes = coverage.check_routes(build("llama"))
+    assert list(routes) == list(coverage.ROUTES)
+    for route, result in routes.items():
+        kind, ratio = result.split()
+        assert kind == "int4" and float(ratio) <= 0.35, (route, result)
+
+
+def test_route_columns_appear_when_rows_have_them():
+    rows = [
+        {"model_type": "llama", "status": "rewritten", "sites": "2/2", "bytes_ratio": 0.3, "logits_error": 0.0,
+         "routes": {"beam search": "int4 0.317", "padded batch": "int4 0.317", "static cache": "fp16 2/4: why"}},
+        {"model_type": "mamba", "status": "no attention KV cache", "reason": "the cache holds no growing K/V tensors"},
+    ]  # fmt: skip
+    page = coverage.markdown(rows, coverage.summarize(rows), ["kvpass coverage --routes"])
+    assert "| model type | status | sites | bytes | logits error | beam search | padded batch | static cache | reason |" in page
+    assert "| llama | rewritten | 2/2 | 0.300 | 0.0e+00 | int4 0.317 | int4 0.317 | fp16 2/4: why |  |" in page
+    assert "| mamba | no attention KV cache |  |  |  |  |  |  | the cache holds no growing K/V tensors |" in page
+    assert "beam search" not in coverage.markdown(rows[1:], coverage.summarize(rows[1:]), ["kvpass coverage"])
