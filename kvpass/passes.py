@@ -1072,6 +1072,16 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             if config.for_layer(_layer_index(report.module)) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
+    # A static cache's latent (an MLA model under cache_implementation="static") is written into its
+    # slots: say so plainly instead of the attention's own "no cache write" reason.
+    static_latents = {n.args[0] for n in graph.nodes if n.op == "call_method" and n.target == "index_copy_"
+                      and n.args[1] in (2, -2) and not _read_directly_by_attention(n.args[0])}  # fmt: skip
+    for report, site in unmatched if static_latents else ():
+        if not report.rewritten and _has_ancestor(site, static_latents):
+            report.reason = (
+                "attends over K/V projected from a static cache's latent (an MLA model's StaticCache), which kv4 "
+                "stores int4 only in a DynamicCache; left fp16"
+            )
 
 
 def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list[str]) -> KVConfig:

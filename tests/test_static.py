@@ -143,6 +143,19 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
     assert sites and all(site.rewritten for site in sites)
 
 
+def test_mla_static_cache_stays_fp16_and_says_why():
+    """An MLA model's static cache holds its latent, written into slots: not built, and every site,
+    prefill and decode, says so in plain words."""
+    torch._dynamo.reset()
+    model = build("deepseek_v3")
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    model.generate(_prompt(), max_new_tokens=3, do_sample=False, cache_implementation="static")
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert len(backend.graphs) > 1 and sites
+    assert all(not site.rewritten and "static cache's latent" in site.reason for site in sites)
+
+
 def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4():
     torch._dynamo.reset()
     model = build("llama")
