@@ -371,9 +371,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
         **row,
         "status": status,
         "sites": f"{sum(site.rewritten for site in sites)}/{len(sites)}",
-        "bytes_ratio": (
-            round(sum(t.stored_bytes() for t in packed) / sum(t.numel() * 2 for t in packed), 3) if packed else None
-        ),
+        "bytes_ratio": round(_fp16_ratio(packed), 3) if packed else None,
         "logits_error": float((got - expected).abs().max()) if packed else None,
         "reason": "; ".join(reasons),
     }
@@ -436,11 +434,16 @@ def check_routes(model) -> dict[str, str]:
                    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()]  # fmt: skip
         packed = [t for t in tensors if isinstance(t, PackedKV)]
         if tensors and len(packed) == len(tensors):
-            results[route] = f"int4 {sum(t.stored_bytes() for t in packed) / sum(t.numel() * 2 for t in packed):.3f}"
+            results[route] = f"int4 {_fp16_ratio(packed):.3f}"
         else:
             why = next((site.reason for graph in backend.graphs for site in graph.sites if not site.rewritten), "")
             results[route] = f"fp16 {len(tensors) - len(packed)}/{len(tensors)}: {why[:160]}"
     return results
+
+
+def _fp16_ratio(packed: list) -> float:
+    """Bytes the PackedKV tensors ``packed`` store, over what fp16 copies of them would."""
+    return sum(t.stored_bytes() for t in packed) / sum(t.numel() * 2 for t in packed)
 
 
 def _short(err: BaseException) -> str:

@@ -365,11 +365,6 @@ def margins_at_divergence(agreed: list[int], reference_margins: torch.Tensor) ->
     return [None if n == new_tokens else round(reference_margins[i, n].item(), 4) for i, n in enumerate(agreed)]
 
 
-def agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
-    """Mean over rows of :func:`agreed_tokens` / length."""
-    return sum(agreed_tokens(tokens, reference)) / (tokens.shape[0] * tokens.shape[1])
-
-
 def paired_delta_se(blocks: list[float], base_blocks: list[float], scored: int) -> float | None:
     """Standard error, in percent, of the perplexity change of ``blocks`` over ``base_blocks`` (the
     same ``scored`` tokens): from the spread of per-block differences, blocks taken as independent.

@@ -334,10 +334,7 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
     The buffer is a graph input (allocated by an earlier forward) or allocated in this graph
     (the layer's first forward, compiled): ``past`` is then the ``torch.zeros`` node.
     """
-    writes = [
-        n for n in buffer.users
-        if n.op == "call_method" and n.target == "index_copy_" and n.args[1] in (2, -2)
-    ] or [n for n in buffer.users if _is_roll_write(buffer, n)]  # fmt: skip
+    writes = [n for n in buffer.users if _is_slot_write(n)] or [n for n in buffer.users if _is_roll_write(buffer, n)]
     if len(writes) != 1:
         raise NoMatch(f"{role} does not come from a cache write: it is {buffer.name}, not written here")
     if _is_buffer_ctor(buffer):
@@ -356,6 +353,11 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
         (setitem,) = [n for n in write.args[1].users if _is_call(n, (operator.setitem,))]
         return _CacheWrite(write, buffer, setitem.args[2], chain)
     return _CacheWrite(write, buffer, write.args[3], chain)
+
+
+def _is_slot_write(node: fx.Node) -> bool:
+    """``buffer.index_copy_(2, positions, new)``: a static cache layer writing its slots."""
+    return node.op == "call_method" and node.target == "index_copy_" and node.args[1] in (2, -2)
 
 
 def _window_overflow_write(new: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
@@ -1074,8 +1076,7 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             counters[f"{report.form}_{phase}_site"] += 1
     # A static cache's latent (an MLA model under cache_implementation="static") is written into its
     # slots: say so plainly instead of the attention's own "no cache write" reason.
-    static_latents = {n.args[0] for n in graph.nodes if n.op == "call_method" and n.target == "index_copy_"
-                      and n.args[1] in (2, -2) and not _read_directly_by_attention(n.args[0])}  # fmt: skip
+    static_latents = {n.args[0] for n in graph.nodes if _is_slot_write(n) and not _read_directly_by_attention(n.args[0])}
     for report, site in unmatched if static_latents else ():
         if not report.rewritten and _has_ancestor(site, static_latents):
             report.reason = (
