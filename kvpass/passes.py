@@ -27,7 +27,9 @@ A site is an attention computation whose K and V lead back, through the view cha
   a window's eviction slice), ``past`` being ``torch.tensor([])`` (the prefill graph of a
   ``DynamicCache``), a PackedKV placeholder (decode graphs) or a plain ``[B, H, S, D]`` float
   tensor (a cache filled elsewhere); or ``buffer.index_copy_(2, positions, new)`` into a
-  PackedKV placeholder (``StaticKVCache``). K and V may be one write (DeepSeek-V4's shared
+  static buffer: a PackedKV placeholder (``StaticKVCache``), or ``torch.zeros`` / a PackedKV
+  allocated in this graph (a static layer's first update, compiled), attention reading the
+  buffer or its prefix ``[:, :, :n]`` before or after the view chain. K and V may be one write (DeepSeek-V4's shared
   KV) when their specs are equal. ``cat([write, extra], dim=2)`` that is not returned reads
   ``extra`` (DeepSeek-V4's compressed entries, kept elsewhere) as more exact new tokens;
 * view chain: nothing (SDPA with or without ``enable_gqa``), an fp32 cast, ``x[:, :, None]`` ->
@@ -46,7 +48,8 @@ A site is an attention computation whose K and V lead back, through the view cha
 A cache write that no attention reads directly, only projections of it (MLA: DeepSeek-V2/V3
 and kin cache a compressed latent and expand it into K and V after the read), is a latent
 cache: stored int4 with the V spec (per-token groups, any length), its readers given
-``cat([past.dequantize(), new])``. The attention over the expanded K and V stays as it is and
+``cat([past.dequantize(), new])`` (a static buffer's: ``buffer.dequantize().index_copy(2,
+positions, new)``). The attention over the expanded K and V stays as it is and
 is reported with phase ``latent``: its cache is int4, its read dequantizes the latent each step.
 A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA) that did not
 match is not a latent cache: that site stays fp16 with its reason.
@@ -88,7 +91,7 @@ class SiteReport:
     index: int
     module: str
     form: str  # "sdpa" or "eager" (matmul -> softmax -> matmul)
-    phase: str  # "prefill" (empty past), "decode" or "static" (preallocated buffer)
+    phase: str  # "prefill" (empty past), "decode", "static" (preallocated buffer) or "latent" (MLA)
     rewritten: bool
     reason: str = ""
 
@@ -266,11 +269,14 @@ def _tiles(chain: list[fx.Node]) -> int:
 def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     root, chain = _walk_view_chain(arg)
     if _is_sequence_prefix(root):
-        # StaticLayer.update returns buffer[:, :, :kv_length] when the length is known
-        chain, root = [*chain, root], root.args[0]
-        if not (root.op == "placeholder" or _is_buffer_ctor(root)):
+        # StaticLayer.update returns buffer[:, :, :kv_length] when the length is known; a model
+        # that tiles heads itself may slice after tiling (JetMoE)
+        prefix = root
+        root, before = _walk_view_chain(prefix.args[0])
+        chain = [*chain, prefix, *before]
+        if not _is_static_buffer(root):
             raise NoMatch(f"{role} reads a prefix of {root.name}, which is not a static cache buffer")
-    if root.op == "placeholder" or _is_buffer_ctor(root):
+    if _is_static_buffer(root):
         return _static_cache_write(root, chain, role)
     overflow = _window_overflow_write(root, chain)
     if overflow is not None:
@@ -323,6 +329,15 @@ def _is_buffer_ctor(node: fx.Node) -> bool:
     return _is_call(node, (torch.zeros,)) and isinstance(_val(node), torch.Tensor) and _val(node).dim() == 4
 
 
+def _is_allocated_here(node: fx.Node) -> bool:
+    """fp zeros, or an int4 buffer (StaticKVCache's first update, traced), allocated in this graph."""
+    return _is_buffer_ctor(node) or (node.op == "call_function" and node.target is PackedKV)
+
+
+def _is_static_buffer(node: fx.Node) -> bool:
+    return node.op == "placeholder" or _is_allocated_here(node)
+
+
 def _is_sequence_prefix(node: fx.Node) -> bool:
     """``x[:, :, :n]`` or ``x[:, :, :n, :]``."""
     return _is_sequence_slice(node) and node.args[1][2].start in (None, 0)
@@ -351,8 +366,10 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
     (write,) = writes
     if write.target == "copy_":
         (setitem,) = [n for n in write.args[1].users if _is_call(n, (operator.setitem,))]
-        return _CacheWrite(write, buffer, setitem.args[2], chain)
-    return _CacheWrite(write, buffer, write.args[3], chain)
+        new = setitem.args[2]
+    else:
+        new = write.args[3]
+    return _CacheWrite(write, buffer, new, chain, heads=_selected_heads(chain))
 
 
 def _is_slot_write(node: fx.Node) -> bool:
@@ -373,7 +390,7 @@ def _window_overflow_write(new: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node,
                 continue
             for copy in user.users:
                 if (copy.op == "call_method" and copy.target == "copy_" and copy.args[1] is user
-                        and _is_buffer_ctor(copy.args[0])):  # fmt: skip
+                        and _is_allocated_here(copy.args[0])):  # fmt: skip
                     return copy, stored
     return None
 
@@ -798,8 +815,6 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
     if v.heads is not None and not _known(len(v.heads) == _val(k.new).shape[1]):
         raise NoMatch(f"V reads {len(v.heads)} heads picked from a chunk, K has {_val(k.new).shape[1]}")
     if _is_static(k):
-        if attn.tiles > 1 or attn.sink is not None or v.heads is not None:
-            raise NoMatch("a static cache read with heads tiled by repeat or with an attention sink")
         for write, spec, role in ((k, config.k, "K"), (v, config.v, "V")):
             if _is_buffer_ctor(write.past):
                 _check_packable(write, spec, role)
@@ -862,14 +877,18 @@ def _replace_output(graph: fx.Graph, attn: _Attention, fused: fx.Node) -> None:
     attn.output.replace_all_uses_with(fused)
 
 
-def _add_sink(graph: fx.Graph, attn: _Attention, k_new: fx.Node, v_new: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """The sink as one more new token: key and value zero, its logit ``0 + sink`` from the mask."""
+def _add_sink(graph: fx.Graph, attn: _Attention, k_new, v_new, k_like: fx.Node, v_like: fx.Node):
+    """The sink as one more new token after ``k_new`` / ``v_new`` (None: a static read has none):
+    key and value zero (shaped like a token of ``k_like`` / ``v_like``), its logit ``0 + sink`` from the mask."""
     first = (Ellipsis, slice(None, 1), slice(None))  # x[..., :1, :]
     zero_k, zero_v = (
-        graph.call_function(torch.zeros_like, (graph.call_function(operator.getitem, (x, first)),)) for x in (k_new, v_new)
+        graph.call_function(torch.zeros_like, (graph.call_function(operator.getitem, (x, first)),)) for x in (k_like, v_like)
     )
-    k_new = graph.call_function(torch.cat, ([k_new, zero_k],), {"dim": -2})
-    v_new = graph.call_function(torch.cat, ([v_new, zero_v],), {"dim": -2})
+    if k_new is None:
+        k_new, v_new = zero_k, zero_v
+    else:
+        k_new = graph.call_function(torch.cat, ([k_new, zero_k],), {"dim": -2})
+        v_new = graph.call_function(torch.cat, ([v_new, zero_v],), {"dim": -2})
     # mask [.., S] broadcast to the sink's [B, H, T, 1] rows, then the sink as column S + 1
     rows = graph.call_function(operator.add, (attn.attn_mask, graph.call_function(torch.zeros_like, (attn.sink,))))
     attn.attn_mask = graph.call_function(torch.cat, ([rows, attn.sink],), {"dim": -1})
@@ -932,30 +951,46 @@ def _static_read(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
     return graph.call_function(operator.getitem, (write.past, prefix[0].args[1]))
 
 
-def _rewrite_static_site(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig):
-    # The new tokens are already in the buffer (quantized), so attention reads only the buffer;
-    # HF's mask (or the prefix HF reads) hides the slots not written yet.
+def _write_slots(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
+    """``buffer.index_copy_(2, positions, new)`` as ``kv4::write_``, quantizing into the int4 buffer
+    in place; the node that writes."""
+    if write.node.target == "copy_":
+        return write.node  # a sliding layer's roll, slot write and copy back are int4 already
+    with graph.inserting_before(write.node):
+        written = graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
+    _copy_meta(write.node, written)
+    graph.erase_node(write.node)
+    return written
+
+
+def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, k_past, v_past, specs) -> None:
+    """Replace the attention by ``kv4_sdpa`` over ``k_past`` / ``v_past`` and, for a DynamicCache,
+    the exact new tokens (a static buffer holds them already, quantized)."""
     _build_mask(graph, attn)
-    specs = [_packed_buffer(graph, write, spec) for write, spec in ((k, config.k), (v, config.v))]
-    for write in (k, v):
-        if write.node.target == "copy_":
-            continue  # a sliding layer's roll, slot write and copy back are int4 already
-        with graph.inserting_before(write.node):
-            graph.call_function(graph_ops.kv4_write_, (write.past, write.node.args[2], write.new))
-        graph.erase_node(write.node)
     with graph.inserting_before(attn.output):
+        query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
+        k_new = v_new = None
+        if not _is_static(k):
+            k_new, v_new = (
+                w.new if w.extra is None else graph.call_function(torch.cat, ([w.new, w.extra],), {"dim": -2})
+                for w in (k, v)
+            )  # fmt: skip
+        if attn.sink is not None:
+            k_new, v_new = _add_sink(graph, attn, k_new, v_new, k.new, v.new)
         fused = graph.call_function(
             graph_ops.kv4_sdpa,
-            (attn.query, _static_read(graph, k), None, _static_read(graph, v), None),
+            (query, k_past, k_new, v_past, v_new),
             {
                 "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
                 "k_spec": specs[0].tag, "v_spec": specs[1].tag,
                 **({"softcap": attn.softcap} if attn.softcap else {}),
+                **({"v_heads": v.heads} if v.heads is not None else {}),
             },
         )  # fmt: skip
+        if attn.tiles > 1:
+            fused = _tiled_heads(graph, fused, attn.tiles)
     _replace_output(graph, attn, fused)
     _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
-    return "static"
 
 
 def _rewrite_site(
@@ -966,7 +1001,20 @@ def _rewrite_site(
             _packed_buffer(graph, write, spec)  # PackedKV's copy_ quantizes the kept tokens in place
         return "prefill"
     if _is_static(k):
-        return _rewrite_static_site(graph, attn, k, v, config)
+        # The new tokens go into the buffer (quantized) and attention reads only the buffer;
+        # HF's mask (or the prefix HF reads) hides the slots not written yet.
+        specs = []
+        for write, spec in ((k, config.k), (v, config.v)):
+            if write.node not in shared.buffers:  # a buffer several sites read (differential attention): once
+                spec = _packed_buffer(graph, write, spec)
+                shared.buffers[write.node] = write.past, spec
+                _write_slots(graph, write)
+            write.past, spec = shared.buffers[write.node]
+            specs.append(spec)
+        with graph.inserting_before(attn.output):
+            k_read, v_read = _static_read(graph, k), _static_read(graph, v)
+        _fused_attention(graph, attn, k, v, k_read, v_read, specs)
+        return "static"
     k_spec, v_spec = _site_specs(k, v, config)
     for write, spec in ((k, k_spec), (v, v_spec)):
         _replace_cache_write(graph, write, spec, shared.packed)
@@ -976,29 +1024,7 @@ def _rewrite_site(
         for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
             (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
     else:
-        _build_mask(graph, attn)
-        with graph.inserting_before(attn.output):
-            query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
-            k_new, v_new = (
-                w.new if w.extra is None else graph.call_function(torch.cat, ([w.new, w.extra],), {"dim": -2})
-                for w in (k, v)
-            )  # fmt: skip
-            if attn.sink is not None:
-                k_new, v_new = _add_sink(graph, attn, k_new, v_new)
-            fused = graph.call_function(
-                graph_ops.kv4_sdpa,
-                (query, k.past, k_new, v.past, v_new),
-                {
-                    "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
-                    "k_spec": k_spec.tag, "v_spec": v_spec.tag,
-                    **({"softcap": attn.softcap} if attn.softcap else {}),
-                    **({"v_heads": v.heads} if v.heads is not None else {}),
-                },
-            )  # fmt: skip
-            if attn.tiles > 1:
-                fused = _tiled_heads(graph, fused, attn.tiles)
-        _replace_output(graph, attn, fused)
-        _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
+        _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec))
     for write in (k, v):
         shared.pending[write.node] -= 1
         if shared.pending[write.node]:
@@ -1012,10 +1038,12 @@ def _rewrite_site(
 
 @dataclasses.dataclass
 class _SharedWrites:
-    """Cache writes several sites read: packed once, erased after the last of them."""
+    """Cache writes several sites read: packed once, erased after the last of them (a static
+    buffer: allocated int4 and written once)."""
 
     packed: dict = dataclasses.field(default_factory=dict)  # cat node -> its kv4_pack / kv4_append
     pending: Counter = dataclasses.field(default_factory=Counter)  # cat node -> sites not rewritten yet
+    buffers: dict = dataclasses.field(default_factory=dict)  # static slot write -> (its int4 buffer, spec)
 
 
 # Ops that compute attention scores or outputs from a cache tensor read directly.
@@ -1042,47 +1070,83 @@ def _read_directly_by_attention(write: fx.Node) -> bool:
     return False
 
 
+def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, shared: _SharedWrites) -> tuple[list, bool]:
+    """A DynamicCache latent ``cat([past, new])``, packed like any cache write; its readers get
+    the new tokens (prefill) or ``cat([past.dequantize(), new])``. Returns (readers, has a past)."""
+    write = _cache_write(node, None, "latent cache")
+    _check_packable(write, config.v, "latent cache")
+    write.fp_readers = list(write.others)
+    _replace_cache_write(graph, write, config.v.for_head_dim(_val(write.new).shape[-1]), shared.packed)
+    past_ctor = node.args[0][0]
+    _erase_if_dead(graph, [node])
+    if write.past is None:
+        _erase_if_dead(graph, [past_ctor])
+    return write.fp_readers, write.past is not None
+
+
+def _pack_static_latent(graph: fx.Graph, node: fx.Node, config: KVConfig) -> tuple[list, bool]:
+    """A static cache's latent ``buffer.index_copy_(2, positions, new)``: the buffer int4 (allocated
+    so, if this graph allocates it), written in place. Its readers get
+    ``buffer.dequantize().index_copy(2, positions, new)``: every slot, the new tokens exact, as a
+    DynamicCache latent's readers get them. Returns (readers, has a past)."""
+    buffer, positions = node.args[0], node.args[2]
+    write = _static_cache_write(buffer, [], "latent cache")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for u in buffer.users if u is not node and u.op != "output"]
+    if any(order[r] < order[node] for r in readers):
+        raise NoMatch(f"latent cache {buffer.name} is read before its slots are written")
+    has_past = not _is_allocated_here(buffer)
+    if _is_buffer_ctor(buffer):
+        spec = config.v.for_head_dim(_val(write.new).shape[-1]).for_slots
+        _check_packable(write, spec, "latent cache")
+        if spec.scheme != "token":
+            raise NoMatch(f"latent cache is a static cache, which needs per-token groups; v_scheme={spec.scheme!r}")
+        _packed_buffer(graph, write, spec)
+    written = _write_slots(graph, write)
+    with graph.inserting_before(written.next):
+        full = graph.call_method("index_copy", (graph.call_method("dequantize", (write.past,)), 2, positions, write.new))
+    for reader in readers:
+        reader.replace_input_with(write.past, full)
+    return readers, has_past
+
+
 def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> None:
     """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
-    reads, phase = set(), "prefill"
+    reads, phase, left = set(), "prefill", {}
     for node in list(graph.nodes):
-        if node in shared.packed or not _is_sequence_cat(node) or not _is_stored(node):
+        if node in shared.packed:
             continue
-        if _read_directly_by_attention(node):
+        static = _is_slot_write(node)
+        if not (static or (_is_sequence_cat(node) and _is_stored(node))):
+            continue
+        cache = node.args[0] if static else node
+        if _read_directly_by_attention(cache):
             continue  # an attention form that did not match reads it: that site says why
         try:
-            write = _cache_write(node, None, "latent cache")
-            _check_packable(write, config.v, "latent cache")
+            if static:
+                readers, has_past = _pack_static_latent(graph, node, config)
+            else:
+                readers, has_past = _pack_dynamic_latent(graph, node, config, shared)
         except NoMatch as why:
-            log.debug("kvpass: cache write %s stays fp16: %s", node.name, why)
+            log.debug("kvpass: latent cache %s stays fp16: %s", cache.name, why)
+            left[cache] = str(why)
             continue
-        write.fp_readers = list(write.others)
-        _replace_cache_write(graph, write, config.v.for_head_dim(_val(write.new).shape[-1]), shared.packed)
-        # What the readers now get: the new tokens (prefill) or cat([past.dequantize(), new]).
-        reads.update(arg for reader in write.fp_readers for arg in reader.all_input_nodes)
-        if write.past is not None:
+        # What the readers now get: the new tokens (prefill) or every stored token dequantized.
+        reads.update(arg for reader in readers for arg in reader.all_input_nodes)
+        if has_past:
             phase = "latent"
-        past_ctor = node.args[0][0]
-        _erase_if_dead(graph, [node])
-        if write.past is None:
-            _erase_if_dead(graph, [past_ctor])
         counters["latent_cache_write"] += 1
-    for report, site in unmatched if reads else ():
+    for report, site in unmatched if reads or left else ():
         if _has_ancestor(site, reads):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
             if config.for_layer(_layer_index(report.module)) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
-    # A static cache's latent (an MLA model under cache_implementation="static") is written into its
-    # slots: say so plainly instead of the attention's own "no cache write" reason.
-    static_latents = {n.args[0] for n in graph.nodes if _is_slot_write(n) and not _read_directly_by_attention(n.args[0])}
-    for report, site in unmatched if static_latents else ():
-        if not report.rewritten and _has_ancestor(site, static_latents):
-            report.reason = (
-                "attends over K/V projected from a static cache's latent (an MLA model's StaticCache), which kv4 "
-                "stores int4 only in a DynamicCache; left fp16"
-            )
+        else:
+            why = next((why for cache, why in left.items() if _has_ancestor(site, {cache})), None)
+            if why is not None:
+                report.reason = f"attends over K/V projected from a latent cache left fp16: {why}"
 
 
 def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list[str]) -> KVConfig:

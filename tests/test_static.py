@@ -11,6 +11,7 @@ from kvpass.config import QuantSpec
 from kvpass.coverage import tiny_config
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
+from kvpass.simulate import SimulatedKVCache
 from kvpass.static import StaticKVCache, int4_static_caches
 
 
@@ -53,8 +54,9 @@ def test_compiled_generate_rewrites_static_decode_and_matches_eager():
         _prompt(), max_new_tokens=10, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
     )
     assert torch.equal(out, expected)
-    decode_sites = [site for graph in backend.graphs[1:] for site in graph.sites]
-    assert decode_sites and all(site.rewritten and site.phase == "static" for site in decode_sites)
+    # the first graph too: StaticKVCache's int4 buffers are allocated inside it
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten and site.phase == "static" for site in sites)
 
 
 def test_a_static_buffer_allocated_before_compiling_keeps_its_spec_and_says_so():
@@ -143,17 +145,81 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
     assert sites and all(site.rewritten for site in sites)
 
 
-def test_mla_static_cache_stays_fp16_and_says_why():
-    """An MLA model's static cache holds its latent, written into slots: not built, and every site,
-    prefill and decode, says so in plain words."""
+@torch.no_grad()
+def test_mla_static_latent_is_int4_and_read_dequantized():
+    """An MLA model's static cache holds its latent, written into slots: int4 from the graph that
+    allocates it, and its projections read every slot dequantized with the new tokens exact, as a
+    DynamicCache latent's readers do."""
     torch._dynamo.reset()
     model = build("deepseek_v3")
     backend = kvpass.kv4()
-    model.compile(backend=backend)
-    model.generate(_prompt(), max_new_tokens=3, do_sample=False, cache_implementation="static")
+    step = torch.compile(model, backend=backend)
+    ids = _prompt(40)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
+
     sites = [site for graph in backend.graphs for site in graph.sites]
-    assert len(backend.graphs) > 1 and sites
-    assert all(not site.rewritten and "static cache's latent" in site.reason for site in sites)
+    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
+    assert "kv4_zeros" in backend.graphs[0].after and "torch.zeros((" not in backend.graphs[0].after
+    latents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(isinstance(t, PackedKV) for t in latents)
+    assert [tuple(t.shape) for t in latents[:2]] == [(1, 1, 64, 32), (1, 1, 64, 16)]  # latent and rope key
+    assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
+
+    # Each slot quantized once as written (V's spec, as a slot stores it); new tokens read exact.
+    spec = backend.config.v.for_slots
+    reference = SimulatedKVCache(model.config, spec, spec)
+    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    for i, logits in enumerate(got):
+        expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_mla_static_latent_allocated_fp_before_the_graph_stays_fp16_and_says_why():
+    torch._dynamo.reset()
+    model = build("deepseek_v3")
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    model(input_ids=_prompt(), past_key_values=cache, use_cache=True)  # eager: fp buffers
+    backend = kvpass.kv4()
+    torch.compile(model, backend=backend)(input_ids=_prompt(1), past_key_values=cache, use_cache=True)
+    sites = backend.graphs[-1].sites
+    assert sites and all(not site.rewritten for site in sites)
+    assert all(
+        site.reason.startswith("attends over K/V projected from a latent cache left fp16: latent cache static cache "
+                               "buffer") and "allocated before this graph" in site.reason
+        for site in sites
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "jetmoe",  # heads tiled by repeat, then the prefix sliced
+        "gpt_oss",  # attention sinks, sliding and full layers
+        "diffllama",  # two sites read each buffer; V is a chunk of its heads tiled back
+    ],
+)
+@torch.no_grad()
+def test_static_reads_with_tiled_heads_sinks_or_picked_v_heads_match_the_uncompiled_int4_run(name):
+    """The uncompiled model over the same int4 buffers computes attention on their dequantized
+    values: the rewritten graphs must agree with it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    run = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(_prompt(40), past_key_values=StaticKVCache(model.config, max_cache_len=64), **run)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(_prompt(40), past_key_values=StaticKVCache(model.config, max_cache_len=64), **run)
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.scores, expected.scores):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten for site in sites)
+    # a sliding layer whose first write overflows its window attends over the exact new tokens
+    assert {site.phase for site in sites} == ({"prefill", "static"} if name == "gpt_oss" else {"static"})
 
 
 def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4():
