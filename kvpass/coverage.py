@@ -481,15 +481,16 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def merged(saved: dict, rerun: list[dict], command: str) -> tuple[list[dict], list[str]]:
-    """A saved matrix (``--json``'s content) with the ``rerun`` rows in place of its rows of the same
-    types, and the commands that made it, ``command`` last."""
+def _check_updatable(saved: dict) -> None:
     if "commands" not in saved:
         raise ValueError("this JSON does not name the command that made it (written before --update existed); "
                          "rerun the whole matrix or add its command as a \"commands\" list")  # fmt: skip
-    unknown = {r["model_type"] for r in rerun} - {r["model_type"] for r in saved["rows"]}
-    if unknown:
-        raise ValueError(f"--update reruns rows the JSON holds; it has none for {sorted(unknown)}")
+
+
+def merged(saved: dict, rerun: list[dict], command: str) -> tuple[list[dict], list[str]]:
+    """A saved matrix (``--json``'s content) with the ``rerun`` rows in place of its rows of the same
+    types and added where it has none, and the commands that made it, ``command`` last."""
+    _check_updatable(saved)
     by_type = {r["model_type"]: r for r in saved["rows"]} | {r["model_type"]: r for r in rerun}
     return list(by_type.values()), [*saved["commands"], command]
 
@@ -501,7 +502,7 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
 
     made_by = "`, then `".join(commands)
     share = "" if summary["fraction"] is None else f" ({summary['fraction']:.0%})"
-    reruns = " (each later command reran the types it names and replaced their rows)" if len(commands) > 1 else ""
+    reruns = " (each later command ran the types it names, replacing or adding their rows)" if len(commands) > 1 else ""
     lines = [
         "# Support matrix",
         "",
@@ -547,7 +548,7 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--update", action="store_true",
-        help="rerun only the named model types and replace their rows in the --json file (and --output)",
+        help="run only the named model types and replace or add their rows in the --json file (and --output)",
     )  # fmt: skip
     parser.add_argument(
         "--head-dim", type=int, default=TINY["head_dim"],
@@ -560,6 +561,9 @@ def run(args) -> int:
 
     if args.update and not (args.json and args.model_types):
         raise ValueError("--update reruns the named model types into an existing --json file: give both")
+    saved = json.loads(Path(args.json).read_text()) if args.update else None
+    if saved is not None:
+        _check_updatable(saved)  # before the run, which may take an hour
     set_head_dim(args.head_dim)
     types = args.model_types or causal_lm_types()
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -568,7 +572,7 @@ def run(args) -> int:
     command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
     commands = [command]
     if args.update:
-        rows, commands = merged(json.loads(Path(args.json).read_text()), rows, command)
+        rows, commands = merged(saved, rows, command)
     rows.sort(key=lambda r: r["model_type"])
     summary = summarize(rows)
     text = markdown(rows, summary, commands)

@@ -1,5 +1,7 @@
 """The support matrix's tiny-config builder: shrunk configs stay consistent (no full matrix run here)."""
 
+import json
+
 import pytest
 import torch
 
@@ -155,8 +157,9 @@ def test_update_replaces_the_rerun_rows_and_names_every_command():
     assert "Made by `kvpass coverage --head-dim 8`, then `kvpass coverage longcat_flash --update` (each later" in page
     assert "**2 of 2**" in page
 
-    with pytest.raises(ValueError, match=r"none for \['gpt2'\]"):
-        coverage.merged(saved, [{"model_type": "gpt2", "status": "rewritten"}], "kvpass coverage gpt2 --update")
+    # a type the matrix lacks is added (a sweep grown in parts)
+    rows, _ = coverage.merged(saved, [{"model_type": "gpt2", "status": "rewritten"}], "kvpass coverage gpt2 --update")
+    assert sorted(r["model_type"] for r in rows) == ["gpt2", "llama", "longcat_flash"]
     with pytest.raises(ValueError, match="does not name the command"):
         coverage.merged({"rows": saved["rows"]}, rerun, "kvpass coverage longcat_flash --update")
 
@@ -166,6 +169,16 @@ def test_update_needs_the_json_it_updates_and_the_types_to_rerun(capsys):
         cli.main(["coverage", "--update", "llama"])
     assert exit_.value.code == 2
     assert "--update reruns the named model types into an existing --json file" in capsys.readouterr().err
+
+
+def test_update_refuses_a_json_without_its_command_before_running_anything(tmp_path, monkeypatch, capsys):
+    saved = tmp_path / "matrix.json"
+    saved.write_text(json.dumps({"rows": []}))
+    monkeypatch.setattr(coverage, "_run_isolated", lambda *args: pytest.fail("ran a model type"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["coverage", "--update", "--json", str(saved), "--output", str(tmp_path / "m.md"), "llama"])
+    assert exit_.value.code == 2
+    assert "does not name the command that made it" in capsys.readouterr().err
 
 
 def test_routes_generate_int4_through_beam_search_a_padded_batch_and_a_static_cache():
