@@ -1143,7 +1143,8 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             if config.for_layer(_layer_index(report.module)) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
-        else:
+        elif "does not come from a cache write" in report.reason:
+            # its K/V come from no cache write because they are projected from a latent that stayed fp16
             why = next((why for cache, why in left.items() if _has_ancestor(site, {cache})), None)
             if why is not None:
                 report.reason = f"attends over K/V projected from a latent cache left fp16: {why}"
