@@ -1112,7 +1112,7 @@ def _pack_static_latent(graph: fx.Graph, node: fx.Node, config: KVConfig) -> tup
 
 def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> None:
     """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
-    reads, phase, left = set(), "prefill", {}
+    reads, phase, left = {}, "prefill", {}
     for node in list(graph.nodes):
         if node in shared.packed:
             continue
@@ -1131,13 +1131,16 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
             log.debug("kvpass: latent cache %s stays fp16: %s", cache.name, why)
             left[cache] = str(why)
             continue
-        # What the readers now get: the new tokens (prefill) or every stored token dequantized.
-        reads.update(arg for reader in readers for arg in reader.all_input_nodes)
+        # What the readers now get: the new tokens (prefill) or every stored token dequantized,
+        # by the layer that reads it (a later layer's site descends from it too, through the residual).
+        for reader in readers:
+            reads.update(dict.fromkeys(reader.all_input_nodes, _layer_index(_module_path(reader))))
         if has_past:
             phase = "latent"
         counters["latent_cache_write"] += 1
     for report, site in unmatched if reads or left else ():
-        if _has_ancestor(site, reads):
+        layer = _layer_index(report.module)
+        if _has_ancestor(site, {read for read, reader_layer in reads.items() if reader_layer == layer}):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
             if config.for_layer(_layer_index(report.module)) is not config:

@@ -335,3 +335,21 @@ def test_static_decode_compiles_through_aot_autograd():
         _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
     )
     assert torch.equal(out, expected)
+
+
+@torch.no_grad()
+def test_a_site_is_reported_int4_only_when_its_own_layer_stores_int4():
+    """dots3_note: layer 0's MLA latent is a slot write (int4), layer 1's sits in a sliding static
+    layer (not built). Layer 1's attention descends from layer 0's latent read through the hidden
+    states; that must not make its site read as rewritten."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("dots3_note")).eval()
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(_prompt(40), max_new_tokens=3, do_sample=False, cache_implementation="static",
+                         return_dict_in_generate=True)  # fmt: skip
+    int4 = [isinstance(layer.keys, PackedKV) for layer in out.past_key_values.layers]
+    assert int4 == [True, False]
+    for site in (site for graph in backend.graphs for site in graph.sites):
+        assert site.rewritten == int4[int(site.module.split(".")[2])], site
