@@ -1129,7 +1129,7 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
                 readers, has_past = _pack_dynamic_latent(graph, node, config, shared)
         except NoMatch as why:
             log.debug("kvpass: latent cache %s stays fp16: %s", cache.name, why)
-            left[cache] = str(why)
+            left[cache] = str(why), _layer_index(_module_path(node))
             continue
         # What the readers now get: the new tokens (prefill) or every stored token dequantized,
         # by the layer that reads it (a later layer's site descends from it too, through the residual).
@@ -1143,12 +1143,13 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if _has_ancestor(site, {read for read, reader_layer in reads.items() if reader_layer == layer}):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
-            if config.for_layer(_layer_index(report.module)) is not config:
+            if config.for_layer(layer) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1
         elif "does not come from a cache write" in report.reason:
             # its K/V come from no cache write because they are projected from a latent that stayed fp16
-            why = next((why for cache, why in left.items() if _has_ancestor(site, {cache})), None)
+            why = next((why for cache, (why, cache_layer) in left.items()
+                        if cache_layer == layer and _has_ancestor(site, {cache})), None)  # fmt: skip
             if why is not None:
                 report.reason = f"attends over K/V projected from a latent cache left fp16: {why}"
 
