@@ -353,3 +353,78 @@ def test_a_site_is_reported_int4_only_when_its_own_layer_stores_int4():
     assert int4 == [True, False]
     for site in (site for graph in backend.graphs for site in graph.sites):
         assert site.rewritten == int4[int(site.module.split(".")[2])], site
+
+
+def _cuda_graph_blockers(recorded) -> list[str]:
+    """What would keep inductor's CUDA graphs (``mode="reduce-overhead"``) off these forward graphs,
+    as far as a CPU run can tell: an input mutated in place but not at a static address (cudagraph
+    trees then skip the graph, as ``check_for_mutation_ignore_cuda_graph_managed_tensor`` decides),
+    or a value that depends on tensor data (a host sync, which capture forbids)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    blockers = []
+    for gm, static in recorded:
+        inputs = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.copy_.default and node.args[0] in inputs:
+                if inputs.index(node.args[0]) not in static:
+                    blockers.append(f"{node.args[0].name} is mutated but not static")
+            if free_unbacked_symbols(node.meta.get("val")):
+                blockers.append(f"{node.name} ({node.target}) depends on tensor data")
+    return blockers
+
+
+def _recording_aot_backend(recorded):
+    """kv4's rewrite, then AOTAutograd as inductor calls it (input mutations kept in the graph);
+    each forward graph is recorded with the input indices AOTAutograd hands inductor as static."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, example_inputs):
+        static = torch._guards.TracingContext.try_get().fw_metadata.static_input_indices
+        recorded.append((gm, set(static)))
+        return gm.forward
+
+    inner = aot_autograd(fw_compiler=forward_compiler, keep_inference_input_mutations=True)
+    return kvpass.backend.rewrite_then(inner, kvpass.KVConfig())
+
+
+def _inner_tensors(cache):
+    return [getattr(t, name) for layer in cache.layers for t in (layer.keys, layer.values)
+            for name in t.__tensor_flatten__()[0]]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: a full sliding layer rolls in place each step
+@torch.no_grad()
+def test_static_decode_through_generate_is_ready_for_cuda_graphs(name):
+    """Issue 5's ``mode="reduce-overhead"`` route, checked on CPU up to the replay itself
+    (``benchmarks/gpu_check.py`` replays it on a GPU): the decode graph mutates only static
+    inputs and reads no tensor data on the host, the int4 buffers never move, and a second
+    generate replays the same graph."""
+    torch._dynamo.reset()
+    model = build(name)
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False,
+                              past_key_values=StaticKVCache(model.config, max_cache_len=64))  # fmt: skip
+    int4_static_caches(model)
+    recorded = []
+    backend = _recording_aot_backend(recorded)
+    config = CompileConfig(backend=backend, fullgraph=True)  # mode: "reduce-overhead", generate's default
+    config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
+    model.generation_config.compile_config = config
+    for attempt in range(2):
+        cache = StaticCache(model.config, max_cache_len=64)
+        addresses = []  # of every int4 buffer after each forward (prefill, then each decode step)
+
+        def record(input_ids, scores):
+            addresses.append([t.data_ptr() for t in _inner_tensors(cache)])
+            return scores
+
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache, logits_processor=[record])
+        assert torch.equal(out, expected)
+        assert len(addresses) == 6 and all(step == addresses[0] for step in addresses)
+        if attempt == 0:
+            graphs = len(recorded)
+    assert all(isinstance(layer.keys, PackedKV) for layer in cache.layers)
+    assert graphs and len(recorded) == graphs  # the second generate compiled nothing
+    assert all(site.rewritten and site.phase == "static" for graph in backend.graphs for site in graph.sites)
+    assert _cuda_graph_blockers(recorded) == []
