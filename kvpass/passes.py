@@ -1084,15 +1084,59 @@ def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, share
     return write.fp_readers, write.past is not None
 
 
+def _overflow_source(node: fx.Node) -> fx.Node | None:
+    """``new`` where ``node`` is ``buffer.copy_(new[:, :, -window:])`` into a buffer this graph
+    allocates: a sliding static layer's first update, with more tokens than its window."""
+    if not (node.op == "call_method" and node.target == "copy_" and _is_allocated_here(node.args[0])):
+        return None
+    source = node.args[1]
+    return source.args[0] if _is_sequence_slice(source) else None
+
+
+def _full_window_chunk(node: fx.Node) -> fx.Node | None:
+    """``joined`` where ``node`` is ``buffer.copy_(joined[:, :, -window:])``, ``joined = cat([buffer[:, :, a:b], new])``:
+    a sliding static layer taking several tokens once its window fills (chunked prefill, a continued chat)."""
+    if not (node.op == "call_method" and node.target == "copy_" and _is_sequence_slice(node.args[1])):
+        return None
+    joined = node.args[1].args[0]
+    if not _is_sequence_cat(joined):
+        return None
+    kept = joined.args[0][0]
+    return joined if _is_sequence_slice(kept) and kept.args[0] is node.args[0] else None
+
+
+def _is_static_latent_write(node: fx.Node) -> bool:
+    """A static layer's write: slots (``index_copy_``), a full sliding window's roll, an overflowing
+    first write, or several tokens into a full window (not built: :func:`_pack_static_latent` says so)."""
+    return (_is_slot_write(node) or _is_roll_write(node.args[0], node) or _overflow_source(node) is not None
+            or _full_window_chunk(node) is not None)  # fmt: skip
+
+
+def _read_by_readers(node: fx.Node) -> fx.Node:
+    """What a static latent write's readers read: the buffer, or the new tokens (an overflowing
+    first write), or the buffer's kept tokens joined with them (several tokens into a full window)."""
+    return _overflow_source(node) or _full_window_chunk(node) or node.args[0]
+
+
 def _pack_static_latent(graph: fx.Graph, node: fx.Node, config: KVConfig) -> tuple[list, bool]:
-    """A static cache's latent ``buffer.index_copy_(2, positions, new)``: the buffer int4 (allocated
-    so, if this graph allocates it), written in place. Its readers get
-    ``buffer.dequantize().index_copy(2, positions, new)``: every slot, the new tokens exact, as a
-    DynamicCache latent's readers get them. Returns (readers, has a past)."""
-    buffer, positions = node.args[0], node.args[2]
-    write = _static_cache_write(buffer, [], "latent cache")
+    """A static cache's latent write (:func:`_is_static_latent_write`): the buffer int4 (allocated
+    so, if this graph allocates it), written in place. Readers of the buffer get every slot
+    dequantized, the new tokens exact, as a DynamicCache latent's readers get them:
+    ``buffer.dequantize().index_copy(2, positions, new)``, or for a rolled window
+    ``cat([buffer.dequantize()[:, :, :-1], new])``; an overflowing first write's readers read
+    the new tokens already. Returns (readers, has a past)."""
+    buffer, overflow = node.args[0], _overflow_source(node)
+    if _full_window_chunk(node) is not None:
+        raise NoMatch(f"latent cache {buffer.name} takes several tokens into a full sliding window (cat, then copy_ "
+                      "of the newest), which is not built")  # fmt: skip
+    if overflow is not None:
+        write = _CacheWrite(node, buffer, overflow, [], reads_new=True)
+    else:
+        write = _static_cache_write(buffer, [], "latent cache")
+    rolled = node.args[1] if _is_roll_write(buffer, node) else None
+    positions = node.args[2] if _is_slot_write(node) else None  # read now: erasing the write clears its args
+    readers = [u for u in buffer.users if u not in (node, rolled) and u.op != "output"]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for u in buffer.users if u is not node and u.op != "output"]
     if any(order[r] < order[node] for r in readers):
         raise NoMatch(f"latent cache {buffer.name} is read before its slots are written")
     has_past = not _is_allocated_here(buffer)
@@ -1103,8 +1147,15 @@ def _pack_static_latent(graph: fx.Graph, node: fx.Node, config: KVConfig) -> tup
             raise NoMatch(f"latent cache is a static cache, which needs per-token groups; v_scheme={spec.scheme!r}")
         _packed_buffer(graph, write, spec)
     written = _write_slots(graph, write)
+    if overflow is not None:
+        return [u for u in overflow.users if u is not node.args[1]], has_past  # they read the new tokens, exact
     with graph.inserting_before(written.next):
-        full = graph.call_method("index_copy", (graph.call_method("dequantize", (write.past,)), 2, positions, write.new))
+        stored = graph.call_method("dequantize", (write.past,))
+        if rolled is None:
+            full = graph.call_method("index_copy", (stored, 2, positions, write.new))
+        else:
+            kept = graph.call_function(operator.getitem, (stored, (slice(None), slice(None), slice(None, -1))))
+            full = graph.call_function(torch.cat, ([kept, write.new],), {"dim": 2})
     for reader in readers:
         reader.replace_input_with(write.past, full)
     return readers, has_past
@@ -1114,13 +1165,13 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
     """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
     reads, phase, left = {}, "prefill", {}
     for node in list(graph.nodes):
-        if node in shared.packed:
-            continue
-        static = _is_slot_write(node)
+        if node in shared.packed or node in shared.buffers:
+            continue  # a write some site rewrote (a sliding layer's roll stays a copy_)
+        static = node.op == "call_method" and _is_static_latent_write(node)
         if not (static or (_is_sequence_cat(node) and _is_stored(node))):
             continue
         cache = node.args[0] if static else node
-        if _read_directly_by_attention(cache):
+        if _read_directly_by_attention(cache) or (static and _read_directly_by_attention(_read_by_readers(node))):
             continue  # an attention form that did not match reads it: that site says why
         try:
             if static:

@@ -118,6 +118,7 @@ def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_gra
     assert "kv4_zeros" in prefill.after
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and all(site.rewritten for site in sites)
+    assert all("dequantize" not in graph.after for graph in backend.graphs)  # no step materialises the cache
     torch._dynamo.reset()
     eager = build(name)
     size = max(layer.max_cache_len for layer in layers)
@@ -337,22 +338,67 @@ def test_static_decode_compiles_through_aot_autograd():
     assert torch.equal(out, expected)
 
 
-@torch.no_grad()
-def test_a_site_is_reported_int4_only_when_its_own_layer_stores_int4():
-    """dots3_note: layer 0's MLA latent is a slot write (int4), layer 1's sits in a sliding static
-    layer (not built). Layer 1's attention descends from layer 0's latent read through the hidden
-    states; that must not make its site read as rewritten."""
+def _dots3_note():
+    """Layer 0 keeps its MLA latent in slots (``StaticIndexedLayer``), layer 1 in a sliding window of 32."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("dots3_note")).eval()
+    config = tiny_config("dots3_note")
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert [type(layer).__name__ for layer in StaticCache(config=config, max_cache_len=64).layers] == [
+        "StaticIndexedLayer", "StaticSlidingWindowLayer"]  # fmt: skip
+    return model
+
+
+@torch.no_grad()
+def test_mla_latent_in_a_sliding_static_layer_is_int4_and_read_dequantized():
+    """A 40-token prompt overflows layer 1's window of 32 (the buffer keeps the newest 32, the
+    projections read all 40 exact); each decode step then rolls the window and writes its last
+    slot. Against the eager model whose buffers are quantized before each step: every stored slot
+    read dequantized, the new token exact."""
+    model = _dots3_note()
     backend = kvpass.kv4()
-    model.compile(backend=backend)
-    out = model.generate(_prompt(40), max_new_tokens=3, do_sample=False, cache_implementation="static",
-                         return_dict_in_generate=True)  # fmt: skip
-    int4 = [isinstance(layer.keys, PackedKV) for layer in out.past_key_values.layers]
-    assert int4 == [True, False]
-    for site in (site for graph in backend.graphs for site in graph.sites):
-        assert site.rewritten == int4[int(site.module.split(".")[2])], site
+    step = torch.compile(model, backend=backend)
+    ids = _prompt(40)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
+
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
+    latents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert all(isinstance(t, PackedKV) for t in latents)
+    assert [tuple(t.shape) for t in latents[2:]] == [(1, 1, 32, 32), (1, 1, 32, 16)]  # the window's latent and rope key
+    assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
+
+    spec = backend.config.v.for_slots
+    quantized = StaticCache(config=model.config, max_cache_len=64)
+    model(input_ids=ids, past_key_values=quantized, use_cache=True)
+    for i, logits in enumerate(got):
+        for layer in quantized.layers:  # quantizing a dequantized slot again gives it back
+            for t in (layer.keys, layer.values):
+                t.copy_(reference.quantize_dequantize(t, spec))
+        expected = model(input_ids=ids[:, i : i + 1], past_key_values=quantized, use_cache=True).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_site_is_reported_int4_only_when_its_own_layer_stores_int4():
+    """Three tokens at once into layer 1's full window (a continued chat): layer 0's latent is a
+    slot write (int4), layer 1's a cat then copy_ of the newest (not built). Layer 1's attention
+    descends from layer 0's latent read through the hidden states; that must not make its site
+    read as rewritten, and its reason is its own layer's."""
+    model = _dots3_note()
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    ids = _prompt(40)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    step(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    step(input_ids=ids[:, 1:4], past_key_values=cache, use_cache=True)  # layer 1 reads its int4 window dequantized
+    layer0, layer1 = backend.graphs[-1].sites
+    assert layer0.rewritten and layer0.phase == "latent"
+    assert not layer1.rewritten
+    assert "takes several tokens into a full sliding window (cat, then copy_ of the newest)" in layer1.reason
 
 
 def _cuda_graph_blockers(recorded) -> list[str]:
