@@ -117,6 +117,9 @@ class _Attention:
     folded: bool = False  # the output is [B * H, T, D] (torch.bmm), the fused op's is [B, H, T, D]
     tiles: int = 1  # K/V heads tiled by repeat (head h reads KV head h % H_kv), set with the cache match
     sink: fx.Node | None = None  # [B, H, T, 1]: one more logit per row whose value is zero
+    # (operator.mul or truediv, x): scores scaled by x, a float Dynamo passes in as a 0-d tensor
+    # (:func:`_is_float_input`); the fused op gets the query scaled by it and ``scale=1.0``
+    query_scale: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -595,6 +598,15 @@ def _number(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def _is_float_input(x) -> bool:
+    """``t.item()`` of a Python float Dynamo passes in as a 0-d tensor ``t``: it stops specialising a
+    float that changed between compiles (a second model of the same architecture, other head_dim)."""
+    if not _is_call(x, (), "item"):
+        return False
+    (tensor,) = x.args
+    return tensor.op == "placeholder" and getattr(tensor.meta.get("grapharg"), "pass_arg_as_tensor", False)
+
+
 def _is_fp32_cast(node) -> bool:
     to_fp32 = _is_call(node, (), "to") and node.args[1:] == (torch.float32,) and not node.kwargs
     return _is_call(node, (), "float") or to_fp32
@@ -633,6 +645,7 @@ class _Scores:
     bias: list[_Bias]
     keep: fx.Node | None
     drop: fx.Node | None
+    query_scale: tuple | None = None  # see _Attention.query_scale
 
 
 def _bias_term(term, added_at: fx.Node, factor: float = 1.0) -> _Bias:
@@ -652,7 +665,7 @@ def _walk_scores(node: fx.Node) -> _Scores:
     """
     nodes, bias = [], []
     keep = drop = None
-    scale, softcap, stage = 1.0, 0.0, 0
+    scale, softcap, stage, query_scale = 1.0, 0.0, 0, None
     while True:
         if _is_reshape(node):
             if not _keeps_key_dim(node):
@@ -695,9 +708,12 @@ def _walk_scores(node: fx.Node) -> _Scores:
             softcap, node, stage = float(cap), inner.args[0], 1
         elif stage < 2 and _is_call(node, (operator.mul, operator.truediv)):
             factor = _number(node.args[1])
-            if factor is None:
+            if _is_float_input(node.args[1]):
+                query_scale = (node.target, node.args[1])
+            elif factor is None:
                 raise NoMatch(f"scores are scaled at {node.name} by a tensor, not a constant")
-            scale = factor if node.target is operator.mul else 1.0 / factor
+            else:
+                scale = factor if node.target is operator.mul else 1.0 / factor
             nodes.append(node)
             node, stage = node.args[0], 2
         else:
@@ -707,7 +723,7 @@ def _walk_scores(node: fx.Node) -> _Scores:
         if not (_is_call(k_t, (torch.transpose,), "transpose") and sorted(d % 4 for d in k_t.args[1:3]) == [2, 3]):
             raise NoMatch(f"the keys of {node.name} are not transposed over their last two dimensions")
         nodes += [node, k_t]
-        return _Scores(nodes, query, k_t.args[0], k_t, False, scale, softcap, bias, keep, drop)
+        return _Scores(nodes, query, k_t.args[0], k_t, False, scale, softcap, bias, keep, drop, query_scale)
     if _is_call(node, BMM_TARGETS, "bmm") or _is_call(node, (torch.baddbmm,), "baddbmm"):
         if node.target in (torch.bmm, "bmm"):
             q_flat, k_t = (node.args + tuple(node.kwargs.values()))[:2]
@@ -730,7 +746,7 @@ def _walk_scores(node: fx.Node) -> _Scores:
         if not _known(_val(query).shape[1] == _val(key).shape[1]):
             raise NoMatch(f"3-D attention {node.name} folds different head counts for q and K")
         nodes += [node, k_t, k_t.args[0], q_flat]
-        return _Scores(nodes, query, key, k_t.args[0], True, scale, softcap, bias, keep, drop)
+        return _Scores(nodes, query, key, k_t.args[0], True, scale, softcap, bias, keep, drop, query_scale)
     raise NoMatch(f"softmax input {node.name} is not q @ k^T (times a constant, plus a mask)")
 
 
@@ -763,7 +779,7 @@ def _match_eager(softmax: fx.Node) -> _Attention:
     return _Attention(
         out, nodes, scores.query, scores.key, scores.key_reader, value, value_reader, None, scale=scores.scale,
         is_causal=False, softcap=scores.softcap, keep=scores.keep, drop=scores.drop, bias=scores.bias,
-        folded=out.target is torch.bmm, sink=sink,
+        folded=out.target is torch.bmm, sink=sink, query_scale=scores.query_scale,
     )  # fmt: skip
 
 
@@ -968,7 +984,11 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
     the exact new tokens (a static buffer holds them already, quantized)."""
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
-        query = _grouped_heads(graph, attn.query, attn.tiles) if attn.tiles > 1 else attn.query
+        query = attn.query
+        if attn.query_scale is not None:
+            scale_op, factor = attn.query_scale
+            query = graph.call_function(scale_op, (query, factor))
+        query = _grouped_heads(graph, query, attn.tiles) if attn.tiles > 1 else query
         k_new = v_new = None
         if not _is_static(k):
             k_new, v_new = (

@@ -242,3 +242,32 @@ def test_only_caches_read_through_projections_become_latent(projected):
         reference.layers[0].keys = PackedKV.from_float(reference.layers[0].keys, spec).dequantize()
         reference.layers[0].values = PackedKV.from_float(reference.layers[0].values, spec).dequantize()
     torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_second_model_whose_scale_dynamo_stops_specialising_is_rewritten():
+    """Two models of one architecture with different score scales (another head_dim) compiled in
+    one process: Dynamo passes the second one's ``self.scaling`` in as a tensor and reads it with
+    ``.item()``. The fused op then gets the query scaled by it."""
+    from kvpass.models_zoo import build
+
+    torch._dynamo.reset()
+    ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    for scaling in (None, 0.5):
+        model = build("gemma2")  # eager attention: scores * self.scaling, soft-capped
+        if scaling is not None:
+            for layer in model.model.layers:
+                layer.self_attn.scaling = scaling
+        backend = kvpass.kv4()
+        step = torch.compile(model, backend=backend)
+        cache = DynamicCache(config=model.config)
+        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        got = step(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
+    assert all("self_attn_scaling.item()" in graph.before for graph in backend.graphs)  # the case this test is for
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten for site in sites), [site.reason for site in sites]
+
+    reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
+    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    expected = model(input_ids=ids[:, :1], past_key_values=reference, use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
