@@ -110,7 +110,7 @@ class _Attention:
     attn_mask: fx.Node | None
     scale: float | None
     is_causal: bool
-    softcap: float = 0.0
+    softcap: float | fx.Node = 0.0  # a node: a float Dynamo passes in as a tensor (_is_float_input)
     keep: fx.Node | None = None  # bool mask applied as torch.where(keep, scores, very negative)
     drop: fx.Node | None = None  # bool mask applied as scores.masked_fill(drop, very negative)
     bias: list[_Bias] = dataclasses.field(default_factory=list)  # further terms added to the scores
@@ -641,7 +641,7 @@ class _Scores:
     key_reader: fx.Node
     folded: bool  # computed on [B * H, T, S] (torch.bmm / baddbmm)
     scale: float
-    softcap: float
+    softcap: float | fx.Node
     bias: list[_Bias]
     keep: fx.Node | None
     drop: fx.Node | None
@@ -700,12 +700,13 @@ def _walk_scores(node: fx.Node) -> _Scores:
             nodes.append(node)
             node = inner
         elif stage == 0 and _is_call(node, (operator.mul,)) and _is_call(node.args[0], (torch.tanh,), "tanh"):
-            cap = _number(node.args[1])
+            cap = node.args[1] if _is_float_input(node.args[1]) else _number(node.args[1])
             inner = node.args[0].args[0]
-            if cap is None or not _is_call(inner, (operator.truediv,)) or _number(inner.args[1]) != cap:
+            divisor = _is_call(inner, (operator.truediv,)) and inner.args[1]
+            if cap is None or not (divisor is cap or _number(divisor) == cap):
                 raise NoMatch(f"scores pass through tanh at {node.name} that is not cap * tanh(s / cap)")
             nodes += [node, node.args[0], inner]
-            softcap, node, stage = float(cap), inner.args[0], 1
+            softcap, node, stage = cap if isinstance(cap, fx.Node) else float(cap), inner.args[0], 1
         elif stage < 2 and _is_call(node, (operator.mul, operator.truediv)):
             factor = _number(node.args[1])
             if _is_float_input(node.args[1]):
@@ -730,6 +731,8 @@ def _walk_scores(node: fx.Node) -> _Scores:
         else:
             args = _baddbmm_args(node)
             q_flat, k_t, alpha, beta = args["batch1"], args["batch2"], _number(args["alpha"]), _number(args["beta"])
+            if _is_float_input(args["alpha"]):
+                query_scale, alpha = (operator.mul, args["alpha"]), 1.0
             if alpha is None or beta is None:
                 raise NoMatch(f"baddbmm {node.name} has a non-constant alpha or beta")
             if stage == 2:

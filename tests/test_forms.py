@@ -244,26 +244,47 @@ def test_only_caches_read_through_projections_become_latent(projected):
     torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)
 
 
-@torch.no_grad()
-def test_a_second_model_whose_scale_dynamo_stops_specialising_is_rewritten():
-    """Two models of one architecture with different score scales (another head_dim) compiled in
-    one process: Dynamo passes the second one's ``self.scaling`` in as a tensor and reads it with
-    ``.item()``. The fused op then gets the query scaled by it."""
+def _gemma2(**attention):
     from kvpass.models_zoo import build
 
+    model = build("gemma2")  # eager attention: scores * self.scaling, soft-capped by attn_logit_softcapping
+    for layer in model.model.layers:
+        for name, value in attention.items():
+            setattr(layer.self_attn, name, value)
+    return model
+
+
+def _bloom(heads):
+    config = transformers.BloomConfig(**COMMON, hidden_size=64, n_layer=2, n_head=heads)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    "first, second, unspecialised",
+    [
+        (_gemma2, lambda: _gemma2(scaling=0.5), "self_attn_scaling.item()"),
+        (_gemma2, lambda: _gemma2(attn_logit_softcapping=20.0), "self_attn_attn_logit_softcapping.item()"),
+        (lambda: _bloom(4), lambda: _bloom(2), "inv_norm_factor.item()"),  # baddbmm's alpha: 1 / sqrt(head_dim)
+    ],
+    ids=["scale", "softcap", "baddbmm-alpha"],
+)
+@torch.no_grad()
+def test_a_second_model_whose_constants_dynamo_stops_specialising_is_rewritten(first, second, unspecialised):
+    """Two models of one architecture whose attention constants differ (another head_dim), compiled
+    in one process: Dynamo passes the second one's floats in as tensors and reads them with
+    ``.item()``. The fused op then gets the query scaled by the scale and the soft-cap as given."""
     torch._dynamo.reset()
     ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(0))
-    for scaling in (None, 0.5):
-        model = build("gemma2")  # eager attention: scores * self.scaling, soft-capped
-        if scaling is not None:
-            for layer in model.model.layers:
-                layer.self_attn.scaling = scaling
+    for build in (first, second):
+        model = build()
         backend = kvpass.kv4()
         step = torch.compile(model, backend=backend)
         cache = DynamicCache(config=model.config)
         step(input_ids=ids, past_key_values=cache, use_cache=True)
         got = step(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
-    assert all("self_attn_scaling.item()" in graph.before for graph in backend.graphs)  # the case this test is for
+    assert all(unspecialised in graph.before for graph in backend.graphs)  # the case this test is for
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and all(site.rewritten for site in sites), [site.reason for site in sites]
 
