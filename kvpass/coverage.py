@@ -405,6 +405,7 @@ def check_routes(model) -> dict[str, str]:
     0.317"`` (every attention cache tensor packed; stored / fp16 bytes), ``"fp16 n/m: reason"``
     (n of m tensors left fp16, and the first unrewritten site's reason) or ``"fails: error"``."""
     import torch
+    from torch._dynamo.utils import counters
 
     import kvpass
     from kvpass.packed import PackedKV
@@ -420,12 +421,14 @@ def check_routes(model) -> dict[str, str]:
     results = {}
     for route, options in ROUTES.items():
         torch._dynamo.reset()
+        counters["graph_break"].clear()
         backend = kvpass.kv4()
         model.compile(backend=backend)
         try:
             with torch.no_grad():
+                # use_cache: some configs turn the cache off (MPT's), and without one there is nothing to check
                 out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=pad,
-                                     return_dict_in_generate=True, **options)  # fmt: skip
+                                     use_cache=True, return_dict_in_generate=True, **options)  # fmt: skip
         except Exception as err:  # noqa: BLE001 - the route's finding
             results[route] = f"fails: {_short(err)}"
             continue
@@ -437,8 +440,16 @@ def check_routes(model) -> dict[str, str]:
             results[route] = f"int4 {_fp16_ratio(packed):.3f}"
         else:
             why = next((site.reason for graph in backend.graphs for site in graph.sites if not site.rewritten), "")
-            results[route] = f"fp16 {len(tensors) - len(packed)}/{len(tensors)}: {why[:160]}"
+            results[route] = f"fp16 {len(tensors) - len(packed)}/{len(tensors)}: {(why or _outside_kv4_graphs())[:160]}"
     return results
+
+
+def _outside_kv4_graphs() -> str:
+    """Why cache tensors stayed fp16 where no site refused: no kv4 graph held their layers' attention."""
+    from torch._dynamo.utils import counters
+
+    breaks = [reason.splitlines()[0] for reason in counters["graph_break"]]
+    return "no kv4 graph held their attention" + (f"; Dynamo broke the graph: {breaks[0]}" if breaks else "")
 
 
 def _fp16_ratio(packed: list) -> float:

@@ -182,12 +182,26 @@ def test_update_refuses_a_json_without_its_command_before_running_anything(tmp_p
 
 
 def test_routes_generate_int4_through_beam_search_a_padded_batch_and_a_static_cache():
-    """What a user tries first on a compiled model, each route's cache checked for int4."""
-    routes = coverage.check_routes(build("llama"))
+    """What a user tries first on a compiled model, each route's cache checked for int4; a config
+    that turns the cache off (MPT's does) still gets one, or there would be nothing to check."""
+    model = build("llama")
+    model.config.use_cache = model.generation_config.use_cache = False
+    routes = coverage.check_routes(model)
     assert list(routes) == list(coverage.ROUTES)
     for route, result in routes.items():
         kind, ratio = result.split()
         assert kind == "int4" and float(ratio) <= 0.35, (route, result)
+
+
+def test_a_route_left_fp16_by_no_site_names_the_graph_break():
+    from torch._dynamo.utils import counters
+
+    counters["graph_break"].clear()
+    assert coverage._outside_kv4_graphs() == "no kv4 graph held their attention"
+    counters["graph_break"]["Unsupported Tensor.item() call with capture_scalar_outputs=False\n  Explanation: ..."] += 1
+    assert coverage._outside_kv4_graphs() == ("no kv4 graph held their attention; Dynamo broke the graph: "
+                                              "Unsupported Tensor.item() call with capture_scalar_outputs=False")  # fmt: skip
+    counters["graph_break"].clear()
 
 
 def test_route_columns_appear_when_rows_have_them():
