@@ -1110,7 +1110,8 @@ def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, share
 def _overflow_source(node: fx.Node) -> fx.Node | None:
     """``new`` where ``node`` is ``buffer.copy_(new[:, :, -window:])`` into a buffer this graph
     allocates: a sliding static layer's first update, with more tokens than its window."""
-    if not (node.op == "call_method" and node.target == "copy_" and _is_allocated_here(node.args[0])):
+    if not (node.op == "call_method" and node.target == "copy_" and _is_allocated_here(node.args[0])
+            and _is_stored(node.args[0])):  # fmt: skip
         return None
     source = node.args[1]
     return source.args[0] if _is_sequence_slice(source) else None
