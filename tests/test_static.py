@@ -441,7 +441,7 @@ def _inner_tensors(cache):
 
 @torch.no_grad()
 def test_static_decode_through_generate_is_ready_for_cuda_graphs():
-    """Issue 5's ``mode="reduce-overhead"`` route, checked on CPU up to the replay itself
+    """Generate's CUDA-graph route (``mode="reduce-overhead"``), checked on CPU up to the replay itself
     (``benchmarks/gpu_check.py`` replays it on a GPU): the decode graph mutates only static
     inputs and reads no tensor data on the host, the int4 buffers never move, and a second
     generate replays the same graph."""
