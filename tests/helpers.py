@@ -47,3 +47,21 @@ def greedy_forward_loop(step, ids, new_tokens, cache=None):
         out = step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat([ids, *tokens], dim=1), out.past_key_values
+
+
+@torch.no_grad()
+def latent_decode(model, ids, cache, steps=3):
+    """An MLA model through a kv4 compile: the prompt ``ids``, then ``steps`` one-token steps into
+    ``cache``. Checks that every site was rewritten (phases prefill and latent) and that every
+    latent cache tensor is int4 at <= 0.35x fp16; returns the backend and each step's logits."""
+    import kvpass
+
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(steps)]
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
+    stored, fp16 = packed_and_fp16_bytes(cache)
+    assert stored <= 0.35 * fp16
+    return backend, got

@@ -13,6 +13,7 @@ from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache
 from kvpass.static import StaticKVCache, int4_static_caches
+from tests.helpers import latent_decode
 
 
 def _prompt(length=30):
@@ -153,20 +154,12 @@ def test_mla_static_latent_is_int4_and_read_dequantized():
     DynamicCache latent's readers do."""
     torch._dynamo.reset()
     model = build("deepseek_v3")
-    backend = kvpass.kv4()
-    step = torch.compile(model, backend=backend)
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
-
-    sites = [site for graph in backend.graphs for site in graph.sites]
-    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
+    backend, got = latent_decode(model, ids, cache)
     assert "kv4_zeros" in backend.graphs[0].after and "torch.zeros((" not in backend.graphs[0].after
-    latents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    assert all(isinstance(t, PackedKV) for t in latents)
-    assert [tuple(t.shape) for t in latents[:2]] == [(1, 1, 64, 32), (1, 1, 64, 16)]  # latent and rope key
-    assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
+    # the latent and the rope key
+    assert (tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)) == ((1, 1, 64, 32), (1, 1, 64, 16))
 
     # Each slot quantized once as written (V's spec, as a slot stores it); new tokens read exact.
     spec = backend.config.v.for_slots
@@ -356,19 +349,11 @@ def test_mla_latent_in_a_sliding_static_layer_is_int4_and_read_dequantized():
     slot. Against the eager model whose buffers are quantized before each step: every stored slot
     read dequantized, the new token exact."""
     model = _dots3_note()
-    backend = kvpass.kv4()
-    step = torch.compile(model, backend=backend)
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
-
-    sites = [site for graph in backend.graphs for site in graph.sites]
-    assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
-    latents = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-    assert all(isinstance(t, PackedKV) for t in latents)
-    assert [tuple(t.shape) for t in latents[2:]] == [(1, 1, 32, 32), (1, 1, 32, 16)]  # the window's latent and rope key
-    assert sum(t.stored_bytes() for t in latents) <= 0.35 * sum(t.numel() * 2 for t in latents)
+    backend, got = latent_decode(model, ids, cache)
+    window = cache.layers[1]  # the latent and the rope key, the newest 32 tokens of each
+    assert (tuple(window.keys.shape), tuple(window.values.shape)) == ((1, 1, 32, 32), (1, 1, 32, 16))
 
     spec = backend.config.v.for_slots
     quantized = StaticCache(config=model.config, max_cache_len=64)
