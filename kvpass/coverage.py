@@ -448,8 +448,8 @@ def _outside_kv4_graphs() -> str:
     """Why cache tensors stayed fp16 where no site refused: no kv4 graph held their layers' attention."""
     from torch._dynamo.utils import counters
 
-    breaks = [reason.splitlines()[0] for reason in counters["graph_break"]]
-    return "no kv4 graph held their attention" + (f"; Dynamo broke the graph: {breaks[0]}" if breaks else "")
+    first = next(iter(counters["graph_break"]), None)
+    return "no kv4 graph held their attention" + (f"; Dynamo broke the graph: {first.splitlines()[0]}" if first else "")
 
 
 def _fp16_ratio(packed: list) -> float:

@@ -380,6 +380,16 @@ def _is_slot_write(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "index_copy_" and node.args[1] in (2, -2)
 
 
+def _overflow_source(node: fx.Node) -> fx.Node | None:
+    """``new`` where ``node`` is ``buffer.copy_(new[:, :, -window:])`` into a buffer this graph
+    allocates: a sliding static layer's first update, with more tokens than its window."""
+    if not (node.op == "call_method" and node.target == "copy_" and _is_allocated_here(node.args[0])
+            and _is_stored(node.args[0])):  # fmt: skip
+        return None
+    source = node.args[1]
+    return source.args[0] if _is_sequence_slice(source) else None
+
+
 def _window_overflow_write(new: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node, fx.Node] | None:
     """``(buffer.copy_(stored[:, :, -window:]), stored)`` into a buffer this graph allocates, if there is one.
 
@@ -388,13 +398,9 @@ def _window_overflow_write(new: fx.Node, chain: list[fx.Node]) -> tuple[fx.Node,
     to attention (``chain``) where the layer upcasts K/V before its cache update (Beam).
     """
     for stored in (new, *(n for n in chain if _is_fp32_cast(n))):
-        for user in stored.users:
-            if not _is_sequence_slice(user):
-                continue
-            for copy in user.users:
-                if (copy.op == "call_method" and copy.target == "copy_" and copy.args[1] is user
-                        and _is_allocated_here(copy.args[0])):  # fmt: skip
-                    return copy, stored
+        for copy in (copy for user in stored.users for copy in user.users):
+            if _overflow_source(copy) is stored:
+                return copy, stored
     return None
 
 
@@ -1107,16 +1113,6 @@ def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, share
     return write.fp_readers, write.past is not None
 
 
-def _overflow_source(node: fx.Node) -> fx.Node | None:
-    """``new`` where ``node`` is ``buffer.copy_(new[:, :, -window:])`` into a buffer this graph
-    allocates: a sliding static layer's first update, with more tokens than its window."""
-    if not (node.op == "call_method" and node.target == "copy_" and _is_allocated_here(node.args[0])
-            and _is_stored(node.args[0])):  # fmt: skip
-        return None
-    source = node.args[1]
-    return source.args[0] if _is_sequence_slice(source) else None
-
-
 def _full_window_chunk(node: fx.Node) -> fx.Node | None:
     """``joined`` where ``node`` is ``buffer.copy_(joined[:, :, -window:])``, ``joined = cat([buffer[:, :, a:b], new])``:
     a sliding static layer taking several tokens once its window fills (chunked prefill, a continued chat)."""
@@ -1195,7 +1191,7 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if not (static or (_is_sequence_cat(node) and _is_stored(node))):
             continue
         cache = node.args[0] if static else node
-        if _read_directly_by_attention(cache) or (static and _read_directly_by_attention(_read_by_readers(node))):
+        if _read_directly_by_attention(_read_by_readers(node) if static else cache):
             continue  # an attention form that did not match reads it: that site says why
         try:
             if static:
