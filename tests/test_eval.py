@@ -179,6 +179,7 @@ def test_method_names():
         kv_eval.parse_method("kv4-g48")
     with pytest.raises(ValueError):
         kv_eval.parse_method("fp16-magic")
+    assert kv_eval.parse_method("bf16").store_dtype == torch.bfloat16
 
 
 def test_kjv_stripping():
@@ -273,6 +274,26 @@ def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
         packed = PackedKV.from_float(first[:, :, :tokens], k_spec)
         assert packed.n_head == sinks and packed.offset.shape[2] == 0
         torch.testing.assert_close(read_k[:, :, :tokens], packed.dequantize(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_rounded_cache_holds_16_bit_tensors_and_reads_them_back(model, name, dtype):
+    """``fp16`` / ``bf16``: the float32 model's K and V stored in 16 bits (half the bytes), read back
+    exactly as stored, so its perplexity moves off fp's."""
+    method = kv_eval.parse_method(name)
+    assert method.kind == "rounded" and method.scheme == f"unquantized, stored in {dtype}"
+    ids = _tokens(160, seed=2)[None]
+    runner = kv_eval.Runner(model, method)
+    nll, n, cache = kv_eval.streaming_nll(runner, ids, 32)
+    fp_nll, _, fp_cache = kv_eval.streaming_nll(kv_eval.Runner(model, kv_eval.parse_method("fp")), ids, 32)
+    assert all(layer.keys.dtype == layer.values.dtype == dtype for layer in cache.layers)
+    assert kv_eval.cache_bytes(cache) * 2 == kv_eval.cache_bytes(fp_cache)
+    layer = runner.new_cache().layers[0]
+    k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    read_k, read_v = layer.update(k, v)
+    assert read_k.dtype == torch.float32 and torch.equal(read_k, k.to(dtype).float())
+    assert torch.equal(read_v, v.to(dtype).float()) and not torch.equal(read_k, k)
+    assert nll != fp_nll
 
 
 def test_window_longer_than_the_text_is_the_fp_baseline(model):
