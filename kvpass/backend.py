@@ -141,6 +141,7 @@ def kv4(
     v_sinks: int | None = None,
     k_center: bool | None = None,
     v_center: bool | None = None,
+    k_query_scaled: bool = False,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -164,6 +165,9 @@ def kv4(
     ``k_center``/``v_center`` quantize K/V minus a fixed per-(sequence, head) offset, the mean of
     the first tokens (symmetric per-token schemes without a window; static caches keep neither;
     default: the default's where the scheme allows, else off).
+    ``k_query_scaled`` stores K times per-channel scales taken from a prompt's queries and keys,
+    read with the query divided by them (per-token schemes without a window; static caches and
+    prompts under 64 tokens keep none; ``QuantSpec.query_scaled``).
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
@@ -188,7 +192,7 @@ def kv4(
         bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
         window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
         refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
-        center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
+        center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric), query_scaled=k_query_scaled,
     )
     config = KVConfig(
         k=k,

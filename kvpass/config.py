@@ -91,6 +91,12 @@ class QuantSpec:
     back, so the codes spend their levels on what differs between tokens, not on a direction all
     of them share (Gemma 3's keys).
 
+    ``query_scaled=True`` (K's per-token scheme, no window) stores each token times a fixed scale
+    per channel, sequence and head, and the attention reads it with the query divided by that
+    scale, which changes no logit: the scales come from the first append's queries and keys
+    (:func:`kvpass.reference.query_key_scales`), so the quantization error lands in the channels the
+    queries read least.
+
     ``span_heads=True`` (per-token scheme) makes a token's group all channels of
     ``heads_per_group(H, D)`` consecutive heads instead (scale shape ``[B, H // n, S, 1]``): for
     heads so narrow that their own groups would be mostly scale (:meth:`for_head_dim`). The
@@ -127,6 +133,8 @@ class QuantSpec:
     center: bool = False
     # Per-token groups over whole heads, several of them when they fit in ``group`` values.
     span_heads: bool = False
+    # K times per-channel scales from the first append's queries (read with the query divided by them).
+    query_scaled: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -154,7 +162,9 @@ class QuantSpec:
             raise ValueError(f"sinks must be an int >= 0 (first tokens kept unquantized), got {self.sinks!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"center must be True or False, got {self.center!r}")
-        for name, value in (("sinks", self.sinks), ("center", self.center)):
+        if not isinstance(self.query_scaled, bool):
+            raise ValueError(f"query_scaled must be True or False, got {self.query_scaled!r}")
+        for name, value in (("sinks", self.sinks), ("center", self.center), ("query_scaled", self.query_scaled)):
             if value and (self.scheme != "token" or self.window):
                 raise ValueError(
                     f"{name}={value} needs scheme='token' and window=0, got scheme={self.scheme!r}, window={self.window}"
@@ -176,7 +186,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -189,11 +199,12 @@ class QuantSpec:
             + (f":s{self.sinks}" if self.sinks else "")
             + (":ctr" if self.center else "")
             + (":heads" if self.span_heads else "")
+            + (":qs" if self.query_scaled else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -204,7 +215,7 @@ class QuantSpec:
             spec = cls(
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
-                sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags,
+                sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags, query_scaled="qs" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -233,17 +244,17 @@ class QuantSpec:
     @property
     def for_slots(self) -> QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
-        is written, with no fp window, no second code plane, no fp sinks and no offset."""
-        return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False)
+        is written, with no fp window, no second code plane, no fp sinks, no offset and no query scales."""
+        return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False, query_scaled=False)
 
     def for_head_dim(self, head_dim: int) -> QuantSpec:
         """This spec for heads of ``head_dim`` channels: below ``MIN_EXTRAS_HEAD_DIM`` channels
-        without its second code plane, sinks and offset, and with groups spanning whole heads where
+        without its second code plane, sinks, offset and query scales, and with groups spanning whole heads where
         its own would be narrower than ``MIN_HEAD_GROUP``."""
         if self.scheme != "token" or head_dim >= MIN_EXTRAS_HEAD_DIM:
             return self
         span_heads = self.span_heads or self.token_group(head_dim) < MIN_HEAD_GROUP
-        return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads)
+        return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads, query_scaled=False)
 
     def heads_per_group(self, heads: int, head_dim: int) -> int:
         """KV heads whose channels of one token form one group: 1, or with ``span_heads`` as many as
@@ -260,6 +271,11 @@ class QuantSpec:
         if first >= SHORT_PREFIX_MIN_TOKENS:
             return min(self.sinks, SHORT_PREFIX_SINKS), False
         return 0, False
+
+    def takes_query_scales(self, first: int) -> bool:
+        """Whether a first append of ``first`` tokens fixes query scales: as for the offset, from
+        ``PREFIX_MIN_TOKENS`` tokens on (a few tokens' statistics would misplace the error)."""
+        return self.query_scaled and first >= PREFIX_MIN_TOKENS
 
     def plane_cost(self, n_head: int, has_offset: bool, head_dim: int) -> int:
         """Refined tokens a cache of ``head_dim``-channel heads holding ``n_head`` fp sinks (and an

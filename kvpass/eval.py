@@ -48,7 +48,8 @@ Methods (``--methods``, comma separated):
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
-  ``kv4-rot-mse-r56-ks4-kc``.
+  ``kv4-rot-mse-r56-ks4-kc``. ``-qs`` stores K scaled by the first append's queries
+  (``kvpass.kv4(k_query_scaled=True)``; real backend only), e.g. ``kv4-qs``.
 * ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
   (eager, no compile), to cross-check the backend.
 * ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
@@ -87,7 +88,7 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
-                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?"
+                     r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?(?P<query_scaled>-qs)?"
                      r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 # Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
@@ -158,7 +159,8 @@ def parse_method(name: str) -> Method:
         raise ValueError(
             f"unknown method {name!r}: use fp, fp16, bf16, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
-            "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -kB@L.L (K bits B in layers L), "
+            "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -qs (K scaled by the queries), "
+            "-kB@L.L (K bits B in layers L), "
             "and for sim- -sN (fp sinks) / "
             "-fF (flush block) suffixes"
         )
@@ -193,6 +195,10 @@ def parse_method(name: str) -> Method:
         kwargs["k_sinks"] = int(m["k_sinks"] or 0)
     if m["k_center"] or variant or m["base"] != "kv4":
         kwargs["k_center"] = bool(m["k_center"])
+    if m["query_scaled"]:
+        if m["sim"]:
+            raise ValueError(f"{name}: query-scaled K (-qs) exists only in the real backend: drop sim-")
+        kwargs["k_query_scaled"] = True
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")
@@ -586,7 +592,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, fp16, bf16, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
-                             "[-ksN K fp sinks][-kc K offset][-kB@L.L K bits B in layers L, not sim-], "
+                             "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries, not sim-][-kB@L.L K bits B in layers L, not sim-], "
                              "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")

@@ -26,9 +26,9 @@ def _as_packed(past: torch.Tensor, spec: QuantSpec) -> PackedKV:
     return past if isinstance(past, PackedKV) else PackedKV.from_float(past, spec)
 
 
-def kv4_pack(new: torch.Tensor, spec: str) -> PackedKV:
-    """The first write into an empty cache."""
-    return PackedKV.from_float(new, _spec(spec))
+def kv4_pack(new: torch.Tensor, spec: str, query: torch.Tensor | None = None) -> PackedKV:
+    """The first write into an empty cache; ``query``, the queries reading it, fixes query scales."""
+    return PackedKV.from_float(new, _spec(spec), query)
 
 
 def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:

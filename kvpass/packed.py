@@ -64,9 +64,13 @@ class PackedKV(torch.Tensor):
     * ``offset`` (``spec.center`` only, else None): ``fp16 [B, H, 1, D]``, subtracted from every
       token before quantizing and added back on reading (:func:`kvpass.reference.center_offset`);
       ``[B, H, 0, D]`` (none) until a first append long enough to fix it, and for good after a
-      shorter one.
+      shorter one;
+    * ``query_scales`` (``spec.query_scaled`` only, else None): ``fp16 [B, H, 1, D]``, per-channel
+      scales every token is multiplied by before anything else, and divided by on reading (the
+      attention divides the query instead): :func:`kvpass.reference.query_key_scales` of the first
+      append and its queries; ``[B, H, 0, D]`` (none) when that append had no queries or was too short.
 
-    All of them live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
+    All of them but ``query_scales`` live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them, which
     is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
@@ -90,10 +94,12 @@ class PackedKV(torch.Tensor):
     fine_scales: torch.Tensor | None
     head: torch.Tensor | None
     offset: torch.Tensor | None
+    query_scales: torch.Tensor | None
     _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
-    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None):
+    def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
+                query_scales=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
             n_head = 0 if head is None else head.shape[2]
@@ -102,13 +108,16 @@ class PackedKV(torch.Tensor):
             cls, shape, dtype=residual.dtype, device=codes.device, requires_grad=False
         )
 
-    def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None):
+    def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
+                 query_scales=None):
         if (fine is not None) != bool(spec.refine):
             raise ValueError(f"a spec with refine={spec.refine} needs {'a' if spec.refine else 'no'} second code plane")
         if (head is not None) != bool(spec.sinks):
             raise ValueError(f"a spec with sinks={spec.sinks} needs {'a' if spec.sinks else 'no'} head of fp tokens")
         if (offset is not None) != spec.center:
             raise ValueError(f"a spec with center={spec.center} needs {'an' if spec.center else 'no'} offset")
+        if (query_scales is not None) != spec.query_scaled:
+            raise ValueError(f"a spec with query_scaled={spec.query_scaled} needs {'' if spec.query_scaled else 'no '}query scales")
         self.codes = codes
         self.scales = scales
         self.residual = residual
@@ -116,16 +125,18 @@ class PackedKV(torch.Tensor):
         self.fine_codes, self.fine_scales = fine if fine is not None else (None, None)
         self.head = head
         self.offset = offset
+        self.query_scales = query_scales
         self._rows = rows
 
     @classmethod
-    def from_float(cls, x: torch.Tensor, spec: QuantSpec) -> PackedKV:
-        """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized."""
+    def from_float(cls, x: torch.Tensor, spec: QuantSpec, query: torch.Tensor | None = None) -> PackedKV:
+        """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized.
+        ``query [B, Hq, S, D]``: the queries reading ``x``, which fix a ``query_scaled`` spec's scales."""
         if x.dim() != 4:
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
-        return _empty_like(x, spec).append(x)
+        return _empty_like(x, spec).append(x, query)
 
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
@@ -150,14 +161,16 @@ class PackedKV(torch.Tensor):
             empty.residual, spec,
         )  # fmt: skip
 
-    def append(self, new: torch.Tensor) -> PackedKV:
-        """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized."""
+    def append(self, new: torch.Tensor, query: torch.Tensor | None = None) -> PackedKV:
+        """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query``
+        (the queries of a first append) fixes a ``query_scaled`` spec's scales."""
+        query_scales, new = self._query_scaled(new, query)
         head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
-            return self._refined_append(new, head, offset)
+            return self._refined_append(new, head, offset, query_scales)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset)
-            return self._extended(codes, scales, self.residual, head=head, offset=offset)
+            return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales)
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
@@ -165,6 +178,15 @@ class PackedKV(torch.Tensor):
         n_leaving = _leaving(pending.shape[2], self.spec)
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
+
+    def _query_scaled(self, new: torch.Tensor, query: torch.Tensor | None):
+        """``(query_scales, new)``: a ``query_scaled`` spec's scales after this append (a first one
+        with its queries fixes them) and the new tokens times them."""
+        query_scales = self.query_scales
+        first = not (self.codes.shape[2] or self.n_head)
+        if first and query is not None and self.spec.takes_query_scales(new.shape[2]):
+            query_scales = reference.query_key_scales(query, new)
+        return query_scales, _scaled(new, query_scales, 1)
 
     def _sinks_and_offset(self, new: torch.Tensor):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
@@ -181,7 +203,7 @@ class PackedKV(torch.Tensor):
             new = new[:, :, sinks:]
         return head, offset, new
 
-    def _refined_append(self, new: torch.Tensor, head, offset) -> PackedKV:
+    def _refined_append(self, new: torch.Tensor, head, offset, query_scales) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
@@ -198,17 +220,18 @@ class PackedKV(torch.Tensor):
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
         drop = torch.sym_max(planes[0].shape[0] - n_fine, 0)
         fine = tuple(plane[drop:].movedim(0, 2) for plane in planes)
-        return self._extended(codes, scales, self.residual, fine, head, offset)
+        return self._extended(codes, scales, self.residual, fine, head, offset, query_scales)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
         ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.codec_args(self.spec))
         return self
 
-    def _extended(self, codes, scales, residual, fine=None, head=None, offset=None) -> PackedKV:
+    def _extended(self, codes, scales, residual, fine=None, head=None, offset=None, query_scales=None) -> PackedKV:
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
-        (and ``fine``, ``head`` and ``offset`` as the new second code plane, sinks and offset)."""
-        parts = dict(fine=fine, head=head, offset=offset)
+        (and ``fine``, ``head``, ``offset`` and ``query_scales`` as the new second code plane, sinks,
+        offset and query scales)."""
+        parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales)
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
             return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
@@ -223,10 +246,11 @@ class PackedKV(torch.Tensor):
 
     def dequantize(self) -> torch.Tensor:
         """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
-        return ops.dequantize(
+        stored = ops.dequantize(
             self.codes, self.scales, self.residual, *ops.spec_args(self.spec),
             self.fine_codes, self.fine_scales, self.head, self.offset,
         )  # fmt: skip
+        return _scaled(stored, self.query_scales, -1)
 
     @property
     def n_head(self) -> int:
@@ -235,7 +259,7 @@ class PackedKV(torch.Tensor):
 
     def _parts(self) -> dict:
         """The optional inner tensors, as the constructor takes them."""
-        return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset)
+        return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset, query_scales=self.query_scales)
 
     def _fine_planes(self) -> tuple[torch.Tensor, ...]:
         """``(fine_codes, fine_scales)``, or ``()`` without a refined spec."""
@@ -268,7 +292,8 @@ class PackedKV(torch.Tensor):
             f"{'' if self.spec.symmetric else ', asymmetric'}{', clipped scales' if self.spec.clip else ''}"
             f", residual={self.residual.shape[2]}"
             f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'}"
-            f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'})"
+            f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'}"
+            f"{'' if self.query_scales is None else ', query-scaled'})"
         )
 
     # --- tracing ------------------------------------------------------------------------
@@ -276,13 +301,14 @@ class PackedKV(torch.Tensor):
     def __tensor_flatten__(self):
         spec = self.spec
         optional = (["fine_codes", "fine_scales"] if spec.refine else []) + (["head"] if spec.sinks else [])
-        return ["codes", "scales", "residual", *optional] + (["offset"] if spec.center else []), spec
+        optional += (["offset"] if spec.center else []) + (["query_scales"] if spec.query_scaled else [])
+        return ["codes", "scales", "residual", *optional], spec
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
         fine = (inner["fine_codes"], inner["fine_scales"]) if spec.refine else None
         return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine,
-                        head=inner.get("head"), offset=inner.get("offset"))  # fmt: skip
+                        head=inner.get("head"), offset=inner.get("offset"), query_scales=inner.get("query_scales"))  # fmt: skip
 
     def __reduce_ex__(self, protocol):
         # contiguous(): a growable cache's views would otherwise save their spare rows too.
@@ -425,14 +451,28 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     codes, scales = ops.quantize(x[:, :, :0], *ops.codec_args(spec))
     fine = (codes.new_empty(codes.shape), scales.new_empty(scales.shape)) if spec.refine else None  # no aliases
     head = x.new_empty((B, H, 0, D), dtype=reference.sink_dtype(x.dtype)) if spec.sinks else None
-    offset = x.new_empty((B, H, 0, D), dtype=reference.SCALE_DTYPE) if spec.center else None  # set by the first append
-    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset)
+    # Set by the first append.
+    offset, query_scales = (x.new_empty((B, H, 0, D), dtype=reference.SCALE_DTYPE) if wanted else None
+                            for wanted in (spec.center, spec.query_scaled))  # fmt: skip
+    return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset,
+                    query_scales=query_scales)  # fmt: skip
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:
     fine = tuple(fn(x) for x in t._fine_planes()) or None
-    head, offset = (None if x is None else fn(x) for x in (t.head, t.offset))
-    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset)
+    head, offset, query_scales = (None if x is None else fn(x) for x in (t.head, t.offset, t.query_scales))
+    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset,
+                    query_scales=query_scales)  # fmt: skip
+
+
+def _scaled(x: torch.Tensor | None, query_scales: torch.Tensor | None, power: int) -> torch.Tensor | None:
+    """``x [B, H, T, D]`` times (``power=1``) or divided by (``-1``) a query-scaled cache's scales,
+    repeated over query heads grouped as GQA reads them; unchanged where the cache has none."""
+    query_scales = reference.query_scales_or_none(query_scales)
+    if x is None or query_scales is None:
+        return x
+    factor = query_scales.float().repeat_interleave(x.shape[1] // query_scales.shape[1], dim=1)
+    return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
 
 
 def _head_len(head: torch.Tensor | None) -> int:
@@ -578,6 +618,7 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     return PackedKV(
         t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
         t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
+        query_scales=t.query_scales,
     )  # fmt: skip
 
 
@@ -653,6 +694,8 @@ def attention(
     """
     if k_new is None:
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
+    # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
+    q, k_new = _scaled(q, k.query_scales, -1), _scaled(k_new, k.query_scales, 1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
@@ -746,7 +789,7 @@ def _fallback(func, args, kwargs):
             updated = PackedKV.from_float(plain_args[i], target.spec)
             target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
             target.fine_codes, target.fine_scales, target._rows = updated.fine_codes, updated.fine_scales, updated._rows
-            target.head, target.offset = updated.head, updated.offset
+            target.head, target.offset, target.query_scales = updated.head, updated.offset, updated.query_scales
             if result is plain_args[i]:
                 result = target
     return result

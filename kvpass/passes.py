@@ -449,13 +449,16 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
         )
 
 
-def _replace_cache_write(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict) -> None:
+def _replace_cache_write(
+    graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict, query: fx.Node | None = None
+) -> None:
     if write.node in packed_writes:
         return  # a cache several sites read (differential attention) is packed once
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
         if write.past is None:
-            packed = graph.call_function(graph_ops.kv4_pack, (write.new,), {"spec": spec.tag})
+            kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {})}
+            packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:
             packed = graph.call_function(graph_ops.kv4_append, (write.past, write.new), {"spec": spec.tag})
     packed.meta.update({k: v for k, v in write.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
@@ -1022,8 +1025,18 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
     _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
 
 
+def _scales_query(attn: _Attention, k: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
+    """The query a query-scaled K's first write takes its scales from, or None and why there is none."""
+    if attn.tiles > 1:
+        return None, "its query heads are tiled over the cache's"
+    if order.get(attn.query, len(order)) > order[k.node]:
+        return None, "its query is computed after the cache update"
+    return attn.query, ""
+
+
 def _rewrite_site(
-    graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites
+    graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites,
+    query: fx.Node | None = None,
 ) -> str:
     if k.reads_new and v.reads_new:
         for write, spec in ((k, config.k), (v, config.v)):
@@ -1046,7 +1059,7 @@ def _rewrite_site(
         return "static"
     k_spec, v_spec = _site_specs(k, v, config)
     for write, spec in ((k, k_spec), (v, v_spec)):
-        _replace_cache_write(graph, write, spec, shared.packed)
+        _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None)
     prefill = k.past is None
     if prefill:
         # Attention over an empty past is attention over the new tokens, kept exact.
@@ -1301,7 +1314,12 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
                 log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
-        phase = _rewrite_site(graph, attn, k, v, site_config, shared)
+        query = None
+        if site_config.k.query_scaled and k.past is None and not _is_static(k):
+            query, why = _scales_query(attn, k, order)
+            if query is None:
+                notes.append(f"K is stored without query scales: {why}")
+        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
     _rewrite_latent_caches(graph, config, shared, unmatched)

@@ -67,6 +67,8 @@ import torch
 from kvpass.config import CENTER_SKIP, CENTER_TOKENS, MIN_HEAD_GROUP, QuantSpec
 
 SCALE_DTYPE = torch.float16
+# Query scales stay within this factor of their geometric mean (fp16 holds them exactly enough).
+QUERY_SCALE_RANGE = 64.0
 # Scales of groups narrower than MIN_HEAD_GROUP values (one KV head of 8 channels, nothing to
 # span) are float8_e5m2 numbers: fp16's sign, exponent and top two mantissa bits. An fp16 scale per
 # 8 values would cost 2 bits per value; this one costs 1, with fp16's range and a step up to 25%
@@ -498,6 +500,35 @@ def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.T
     # A sum over at least one count, not a branch on the length: no guard in traced graphs.
     mean = typical.sum(2, keepdim=True) / torch.sym_max(typical.shape[2], 1)
     return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
+
+
+def query_key_scales(query: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The per-channel scales of a ``spec.query_scaled`` K cache whose first append is ``first
+    [B, Hkv, T, D]``, read by ``query [B, Hq, T, D]`` (query heads grouped as GQA reads them):
+    ``fp16 [B, Hkv, 1, D]``, ``(E[q_c^2] / Var[k_c]) ** (1/4)`` over tokens ``CENTER_SKIP ..
+    CENTER_SKIP + CENTER_TOKENS`` (queries from the first), scaled to a geometric mean of 1.
+
+    A query reads a key through ``q . k``. After the rotation K's error is spread evenly over the
+    channels, so ``q . e`` grows with the query's energy wherever the key's sits; storing ``k * s``
+    and reading it with ``q / s`` changes no logit, and this ``s`` (the Cauchy-Schwarz optimum)
+    puts the error where the queries look least. Channels ``c`` and ``c + D/2`` share a scale: RoPE
+    (rotate-half) mixes them by position, so their energy is one statistic.
+    """
+    B, kv_heads, _, D = first.shape
+    stop = CENTER_SKIP + CENTER_TOKENS
+    q_energy = query[:, :, :stop].float().pow(2).mean(2).view(B, kv_heads, -1, D).mean(2)
+    k_energy = first[:, :, CENTER_SKIP:stop].float().var(2, correction=0)
+    q_energy, k_energy = (e[..., : D // 2] + e[..., D // 2 :] for e in (q_energy, k_energy))
+    # A channel no first token used (or no query reads) gets a bounded scale, not an infinite one.
+    q_energy, k_energy = (e.clamp_min(1e-6 * e.amax(-1, keepdim=True)) for e in (q_energy, k_energy))
+    s = (q_energy / k_energy).pow(0.25)
+    s = (s / s.log().mean(-1, keepdim=True).exp()).clamp(1 / QUERY_SCALE_RANGE, QUERY_SCALE_RANGE)
+    return s.repeat(1, 1, 2)[:, :, None].to(SCALE_DTYPE)
+
+
+def query_scales_or_none(scales: torch.Tensor | None) -> torch.Tensor | None:
+    """A query-scaled cache's scales, or None where it has none (a first append too short to fix them)."""
+    return scales if scales is not None and scales.shape[2] else None
 
 
 def sink_dtype(dtype: torch.dtype) -> torch.dtype:

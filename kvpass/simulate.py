@@ -55,15 +55,15 @@ class FpTokens:
 
     def fp16_ratio(self, stored: int, k_spec: QuantSpec, v_spec: QuantSpec, heads: int, head_dim: int) -> float:
         """Bytes of a ``stored``-token cache of ``heads`` KV heads of ``head_dim`` channels built from
-        one prompt (fp tokens in fp16, refined tokens' second code plane, the sinks and offset a spec
-        takes from it included) over an all-fp16 cache."""
+        one prompt (fp tokens in fp16, refined tokens' second code plane, the sinks, offset and query
+        scales a spec takes from it included) over an all-fp16 cache."""
         start, stop = self.quantized(stored)
         total = 0
         for spec in (k_spec.for_head_dim(head_dim), v_spec.for_head_dim(head_dim)):
             taken, has_offset = spec.prefix(stored)
             sinks = min(taken, stop)
             n_quant = stop - max(start, sinks)
-            total += (stored - n_quant) * 2 * head_dim + (2 * head_dim if has_offset else 0)
+            total += (stored - n_quant) * 2 * head_dim + 2 * head_dim * (has_offset + spec.takes_query_scales(stored))
             refined = spec.refined_tokens(n_quant + sinks, head_dim, sinks, has_offset)
             total += (n_quant + refined) * head_dim * bits_per_value(spec, heads, head_dim) / 8
         return total / (stored * 4 * head_dim)

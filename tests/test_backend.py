@@ -290,6 +290,34 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
         assert torch.equal(got.dequantize(), want.dequantize())
 
 
+@torch.no_grad()
+def test_query_scaled_keys_take_their_scales_from_the_prompts_queries_and_read_exactly():
+    """``k_query_scaled=True``: the prefill graph hands each K cache its site's query; a decode step
+    reads the packed cache as the eager model reads the same cache dequantized."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    backend = kvpass.kv4(k_query_scaled=True)
+    assert backend.config.k.query_scaled and not backend.config.v.query_scaled
+    step = torch.compile(model, backend=backend)
+    ids, nxt = _ids(100, batch=2), _ids(1, batch=2, seed=1)
+    cache = DynamicCache()
+    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
+    for layer in cache.layers:
+        assert layer.keys.query_scales.shape == (2, heads, 1, head_dim) and layer.values.query_scales is None
+        assert layer.keys.query_scales.float().std() > 0.01  # not all ones: the queries set them
+    dequantized = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        dequantized.update(layer.keys.dequantize(), layer.values.dequantize(), index)
+    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    expected = model(input_ids=nxt, past_key_values=dequantized, use_cache=True).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+    assert all(site.rewritten and not site.reason for g in backend.graphs for site in g.sites)
+    prefill = next(g for g in backend.graphs if any(site.phase == "prefill" for site in g.sites))
+    packs = [line for line in prefill.after.splitlines() if "kv4_pack(" in line]
+    assert sorted("query = " in line for line in packs) == [False, False, True, True]  # K's packs only
+
+
 def test_k_layer_bits_names_a_bad_layer_or_bits():
     with pytest.raises(ValueError, match=r"k_layer_bits: layer '1' is not a layer index"):
         kvpass.kv4(k_layer_bits={"1": 8})

@@ -180,6 +180,9 @@ def test_method_names():
     with pytest.raises(ValueError):
         kv_eval.parse_method("fp16-magic")
     assert kv_eval.parse_method("bf16").store_dtype == torch.bfloat16
+    assert kv_eval.parse_method("kv4-qs").backend_kwargs == {"k_query_scaled": True}
+    with pytest.raises(ValueError, match="only in the real backend"):
+        kv_eval.parse_method("sim-kv4-qs")
 
 
 def test_kjv_stripping():

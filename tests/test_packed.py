@@ -589,6 +589,72 @@ def test_sinks_and_center_settings_are_checked_and_static_caches_strip_them():
         PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", SINKS_CENTERED)
 
 
+QUERY_SCALED = dataclasses.replace(KVConfig().k, query_scaled=True)
+
+
+def _mismatched_queries_and_keys(tokens=120):
+    """Keys whose spread sits in channels 0-15 (and their RoPE partners 32-47), queries whose energy
+    sits in channels 16-31 (and 48-63): the error int4 spreads over every channel costs most where
+    the queries look. Two KV heads, each read by two query heads."""
+    g = torch.Generator().manual_seed(7)
+    channel = torch.arange(64) % 32
+    k_spread, q_spread = torch.where(channel < 16, 4.0, 0.5), torch.where(channel < 16, 0.5, 4.0)
+    return torch.randn(2, 4, tokens, 64, generator=g) * q_spread, torch.randn(2, 2, tokens, 64, generator=g) * k_spread
+
+
+def test_query_scales_are_fixed_by_a_prompt_and_its_queries_and_undone_on_reading():
+    q, x = _mismatched_queries_and_keys()
+    plain_spec = dataclasses.replace(QUERY_SCALED, query_scaled=False)
+    p = PackedKV.from_float(x[:, :, :80], QUERY_SCALED, q[:, :, :80]).append(x[:, :, 80:])
+    s = reference.query_key_scales(q[:, :, :80], x[:, :, :80])
+    assert p.query_scales.shape == (2, 2, 1, 64) and torch.equal(p.query_scales, s)
+    assert torch.equal(s[..., :32], s[..., 32:]) and s[..., 16:32].min() > 4 * s[..., :16].max()
+    # Stored: x * s as the plain spec stores it; read back divided by s.
+    expected = PackedKV.from_float(x * s.float(), plain_spec).dequantize() / s.float()
+    torch.testing.assert_close(p.dequantize(), expected, rtol=0, atol=1e-6)
+    assert p.stored_bytes() == PackedKV.from_float(x, plain_spec).stored_bytes() + s.numel() * 2
+    # The attention reads it with the query divided by s: the logits of the dequantized cache.
+    v = PackedKV.from_float(torch.randn(2, 2, 120, 64), KVConfig().v)
+    q_new, k_new, v_new = torch.randn(2, 4, 3, 64), torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64)
+    fused = packed.attention(q_new, p, v, k_new, v_new)
+    k_all = torch.cat([p.dequantize(), k_new], 2).repeat_interleave(2, 1)
+    v_all = torch.cat([v.dequantize(), v_new], 2).repeat_interleave(2, 1)
+    torch.testing.assert_close(fused, torch.nn.functional.scaled_dot_product_attention(q_new, k_all, v_all), rtol=0, atol=1e-5)
+    # What it is for: the queries' logits move less than with the plain spec's error.
+    plain = PackedKV.from_float(x, plain_spec).dequantize()
+    logit_error = [(q @ (k - x).repeat_interleave(2, 1).transpose(-1, -2)).std() for k in (p.dequantize(), plain)]
+    assert logit_error[0] < 0.5 * logit_error[1]
+    # Beam reordering, eviction, a dtype move and a save keep the scales.
+    order = torch.tensor([1, 1])
+    torch.testing.assert_close(p[order].dequantize(), p.dequantize()[order], rtol=0, atol=0)
+    assert torch.equal(p[:, :, 10:].query_scales, s) and torch.equal(p.to(torch.float16).query_scales, s)
+    buffer = io.BytesIO()
+    torch.save(p, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer).dequantize(), p.dequantize())
+
+
+def test_no_query_or_a_short_prompt_leaves_keys_unscaled():
+    q, x = _mismatched_queries_and_keys()
+    plain = PackedKV.from_float(x, dataclasses.replace(QUERY_SCALED, query_scaled=False)).dequantize()
+    for first, query in ((80, None), (PREFIX_MIN_TOKENS - 1, q)):
+        p = PackedKV.from_float(x[:, :, :first], QUERY_SCALED, None if query is None else query[:, :, :first])
+        p = p.append(x[:, :, first:], q[:, :, first:])  # a later append's queries fix nothing
+        assert p.query_scales.shape[2] == 0
+        if first == 80:
+            torch.testing.assert_close(p.dequantize(), plain, rtol=0, atol=0)
+
+
+def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_strip_it():
+    with pytest.raises(ValueError, match="query_scaled=True needs scheme='token' and window=0"):
+        QuantSpec(4, "channel", 64, query_scaled=True)
+    with pytest.raises(ValueError, match="query_scaled must be True or False"):
+        QuantSpec(query_scaled=1)
+    assert QUERY_SCALED.tag.endswith(":ctr:qs") and QuantSpec.from_tag(QUERY_SCALED.tag) == QUERY_SCALED
+    assert not QUERY_SCALED.for_slots.query_scaled and not QUERY_SCALED.for_head_dim(16).query_scaled
+    assert not KVConfig().k.query_scaled  # opt-in
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_regrowth_can_return_freed_heap_memory_on_glibc():
     # Without it a CPU regrowth's copy lands on top of the freed memory glibc keeps (docs/bench-memory.md).
