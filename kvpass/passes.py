@@ -70,7 +70,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kvpass import graph_ops, reference
-from kvpass.config import KVConfig, QuantSpec
+from kvpass.config import MIN_EXTRAS_HEAD_DIM, KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
 log = logging.getLogger("kvpass")
@@ -1251,6 +1251,8 @@ def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list
                 span = f"{spec.token_group(dim)} values"
             scale = "fp16" if reference.scale_dtype(narrow_spec, heads, dim) == reference.SCALE_DTYPE else "8-bit"
             narrow.setdefault(f"head_dim {dim}: one {scale} scale per {span}", []).append(role)
+            if spec.query_scaled:
+                notes.append(f"K head_dim {dim}: stored without query scales, as heads under {MIN_EXTRAS_HEAD_DIM} channels are")
     notes.extend(f"{' and '.join(roles)} {why} leaves no bytes for a second code plane, sinks or offset"
                  for why, roles in narrow.items())  # fmt: skip
     return dataclasses.replace(config, **specs)

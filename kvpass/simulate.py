@@ -113,6 +113,11 @@ class SimulatedKVCache(DynamicCache):
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
         layers: Collection[int] | None = None,
     ):  # fmt: skip
+        if k_spec is not None and k_spec.query_scaled:
+            raise ValueError(
+                f"K spec {k_spec.tag}: query scales come from the queries, which a cache never sees; "
+                "SimulatedKVCache cannot simulate them (the kv4 backend stores them)"
+            )
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
             windows = {spec.window for spec in (k_spec, v_spec) if spec is not None}

@@ -316,6 +316,13 @@ def test_query_scaled_keys_take_their_scales_from_the_prompts_queries_and_read_e
     prefill = next(g for g in backend.graphs if any(site.phase == "prefill" for site in g.sites))
     packs = [line for line in prefill.after.splitlines() if "kv4_pack(" in line]
     assert sorted("query = " in line for line in packs) == [False, False, True, True]  # K's packs only
+    # Heads under 32 channels keep plain groups, and say that K has no query scales.
+    torch._dynamo.reset()
+    narrow = kvpass.kv4(k_query_scaled=True)
+    cache = DynamicCache()
+    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert cache.layers[0].keys.query_scales is None
+    assert all("K head_dim 16: stored without query scales" in site.reason for g in narrow.graphs for site in g.sites)
 
 
 def test_k_layer_bits_names_a_bad_layer_or_bits():

@@ -653,6 +653,12 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
     assert QUERY_SCALED.tag.endswith(":ctr:qs") and QuantSpec.from_tag(QUERY_SCALED.tag) == QUERY_SCALED
     assert not QUERY_SCALED.for_slots.query_scaled and not QUERY_SCALED.for_head_dim(16).query_scaled
     assert not KVConfig().k.query_scaled  # opt-in
+    from transformers import LlamaConfig
+
+    from kvpass.simulate import SimulatedKVCache
+
+    with pytest.raises(ValueError, match="SimulatedKVCache cannot simulate them"):
+        SimulatedKVCache(LlamaConfig(num_hidden_layers=1), QUERY_SCALED, KVConfig().v)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
