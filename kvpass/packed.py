@@ -468,7 +468,7 @@ def _map_inner(t: PackedKV, fn) -> PackedKV:
 def _scaled(x: torch.Tensor | None, query_scales: torch.Tensor | None, power: int) -> torch.Tensor | None:
     """``x [B, H, T, D]`` times (``power=1``) or divided by (``-1``) a query-scaled cache's scales,
     repeated over query heads grouped as GQA reads them; unchanged where the cache has none."""
-    query_scales = reference.query_scales_or_none(query_scales)
+    query_scales = reference.fixed_or_none(query_scales)
     if x is None or query_scales is None:
         return x
     factor = query_scales.float().repeat_interleave(x.shape[1] // query_scales.shape[1], dim=1)

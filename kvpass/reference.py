@@ -526,32 +526,28 @@ def query_key_scales(query: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return s.repeat(1, 1, 2)[:, :, None].to(SCALE_DTYPE)
 
 
-def query_scales_or_none(scales: torch.Tensor | None) -> torch.Tensor | None:
-    """A query-scaled cache's scales, or None where it has none (a first append too short to fix them)."""
-    return scales if scales is not None and scales.shape[2] else None
-
-
 def sink_dtype(dtype: torch.dtype) -> torch.dtype:
     """What fp sinks are stored in: the model's dtype when it has 16 bits, else bfloat16 (an fp32
     model's sinks cost what a 16-bit model's do, and keep fp32's range)."""
     return dtype if dtype.itemsize <= 2 else torch.bfloat16
 
 
-def offset_or_none(offset: torch.Tensor | None) -> torch.Tensor | None:
-    """A centered cache's offset, or None where it has none: an offset of no rows belongs to a cache
-    whose first append was too short to fix one (:meth:`QuantSpec.prefix`) or not yet made."""
-    return offset if offset is not None and offset.shape[2] else None
+def fixed_or_none(fixed: torch.Tensor | None) -> torch.Tensor | None:
+    """What a cache's first append fixes (a centered spec's offset, a query-scaled spec's scales), or
+    None where it has none: a tensor of no rows belongs to a cache whose first append was too short
+    to fix it (:meth:`QuantSpec.prefix`, :meth:`QuantSpec.takes_query_scales`) or not yet made."""
+    return fixed if fixed is not None and fixed.shape[2] else None
 
 
 def refined_tokens(spec: QuantSpec, stored: int, head_dim: int, n_head: int, offset: torch.Tensor | None):
     """:meth:`QuantSpec.refined_tokens` of a cache of ``head_dim``-channel heads holding ``stored``
     tokens, ``n_head`` of them fp sinks, and ``offset`` (the tensor it stores, or None)."""
-    return spec.refined_tokens(stored, head_dim, n_head, offset_or_none(offset) is not None)
+    return spec.refined_tokens(stored, head_dim, n_head, fixed_or_none(offset) is not None)
 
 
 def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     """Stored-domain tokens minus a centered spec's ``offset``, in fp32 (unchanged without one)."""
-    offset = offset_or_none(offset)
+    offset = fixed_or_none(offset)
     # Type promotion computes in fp32 without a separate fp32 copy of the tokens.
     return stored if offset is None else stored - offset.float()
 
@@ -569,7 +565,7 @@ def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fin
     (refined, for the newest ``fine_codes.shape[2]`` of them; plus ``offset`` if centered), then
     the residual, unrotated."""
     quantized = _refined(dequantize(codes, scales, spec, torch.float32), fine_codes, fine_scales, spec, 0)
-    offset = offset_or_none(offset)
+    offset = fixed_or_none(offset)
     if offset is not None:
         quantized = quantized + offset.float()
     parts = [quantized, residual.float()] if head is None else [head.float(), quantized, residual.float()]
@@ -842,7 +838,7 @@ class _Stored:
                 blk_scales = self.scales[:, :, lo:hi]
             deq = dequantize_field_major(self.codes[:, :, lo:hi], blk_scales, spec)
             deq = _refined(deq, self.fine_codes, self.fine_scales, spec, lo, n_quant, dequantize_field_major)
-            offset = offset_or_none(self.offset)
+            offset = fixed_or_none(self.offset)
             parts.append(deq if offset is None else deq.add_(offset[..., order].float()))
         if stop > n_head + n_quant:
             parts.append(self.residual[:, :, max(start - n_head - n_quant, 0) : stop - n_head - n_quant, order].float())
