@@ -314,10 +314,13 @@ def test_estimated_ratio_is_what_the_packed_cache_stores(heads, head_dim):
     # eval reports counts each head's share of it, as the cache stores it.
     from kvpass.packed import PackedKV
 
-    for name in ("kv4-rot", "kv4-rot-mse-r64", "kv4-kivi"):
+    for name in ("kv4-rot", "kv4-rot-mse-r64", "kv4-kivi", "kv4-qs"):  # kv4-qs: query scales from K's queries
         method = kv_eval.parse_method(name)
-        k, v = (PackedKV.from_float(torch.randn(1, heads, 512, head_dim, dtype=torch.float16), spec.for_head_dim(head_dim))
+        query = torch.randn(1, heads, 512, head_dim, dtype=torch.float16)
+        k, v = (PackedKV.from_float(torch.randn(1, heads, 512, head_dim, dtype=torch.float16), spec.for_head_dim(head_dim),
+                                    query)
                 for spec in method.specs)  # fmt: skip
+        assert (k.query_scales is not None and k.query_scales.shape[2] == 1) == (name == "kv4-qs" and head_dim >= 32)
         assert method.fp16_ratio(512, heads, head_dim) == (k.stored_bytes() + v.stored_bytes()) / (2 * k.numel() * 2)
 
 
