@@ -183,8 +183,7 @@ class PackedKV(torch.Tensor):
         """``(query_scales, new)``: a ``query_scaled`` spec's scales after this append (a first one
         with its queries fixes them) and the new tokens times them."""
         query_scales = self.query_scales
-        first = not (self.codes.shape[2] or self.n_head)
-        if first and query is not None and self.spec.takes_query_scales(new.shape[2]):
+        if self._is_empty and query is not None and self.spec.takes_query_scales(new.shape[2]):
             query_scales = reference.query_key_scales(query, new)
         return query_scales, _scaled(new, query_scales, 1)
 
@@ -192,7 +191,7 @@ class PackedKV(torch.Tensor):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
         (a first append fixes them, :meth:`QuantSpec.prefix`) and the new tokens left to quantize."""
         head, offset = self.head, self.offset
-        if self.codes.shape[2] or self.n_head:
+        if not self._is_empty:
             return head, offset, new
         sinks, takes_offset = self.spec.prefix(new.shape[2])
         if takes_offset:
@@ -251,6 +250,11 @@ class PackedKV(torch.Tensor):
             self.fine_codes, self.fine_scales, self.head, self.offset,
         )  # fmt: skip
         return _scaled(stored, self.query_scales, -1)
+
+    @property
+    def _is_empty(self) -> bool:
+        """No token stored yet: the next append is the first, which fixes what a spec takes from it."""
+        return not (self.codes.shape[2] or self.n_head)
 
     @property
     def n_head(self) -> int:
