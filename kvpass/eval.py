@@ -49,7 +49,7 @@ Methods (``--methods``, comma separated):
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
   ``kv4-rot-mse-r56-ks4-kc``. ``-qs`` stores K scaled by the first append's queries
-  (``kvpass.kv4(k_query_scaled=True)``; real backend only), e.g. ``kv4-qs``.
+  (``kvpass.kv4(k_query_scaled=True)``), e.g. ``kv4-qs``.
 * ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
   (eager, no compile), to cross-check the backend.
 * ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -196,8 +197,6 @@ def parse_method(name: str) -> Method:
     if m["k_center"] or variant or m["base"] != "kv4":
         kwargs["k_center"] = bool(m["k_center"])
     if m["query_scaled"]:
-        if m["sim"]:
-            raise ValueError(f"{name}: query-scaled K (-qs) exists only in the real backend: drop sim-")
         kwargs["k_query_scaled"] = True
     if m["layers"]:
         if m["sim"]:
@@ -232,6 +231,8 @@ class Runner:
 
             k, v = method.specs
             self.step, self.new_cache = model, lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
+            if k.query_scaled:
+                self.step = functools.partial(_observing_queries, model)
         elif method.kind == "rounded":
             from kvpass.simulate import RoundedKVCache
 
@@ -264,6 +265,14 @@ class Runner:
             bad = [s for s in graph.sites if not s.rewritten]
             if bad:
                 raise RuntimeError(f"kv4 left {len(bad)} attention sites unrewritten in {graph.name}: {bad[0].reason}")
+
+
+def _observing_queries(model, **inputs):
+    """``model(**inputs)`` handing a simulated query-scaled K cache its first queries."""
+    from kvpass.simulate import observed_queries
+
+    with observed_queries():
+        return model(**inputs)
 
 
 def cache_bytes(cache) -> int | None:
@@ -592,7 +601,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, fp16, bf16, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
-                             "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries, not sim-][-kB@L.L K bits B in layers L, not sim-], "
+                             "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries][-kB@L.L K bits B in layers L, not sim-], "
                              "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")

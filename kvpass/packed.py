@@ -185,7 +185,7 @@ class PackedKV(torch.Tensor):
         query_scales = self.query_scales
         if self._is_empty and query is not None and self.spec.takes_query_scales(new.shape[2]):
             query_scales = reference.query_key_scales(query, new)
-        return query_scales, _scaled(new, query_scales, 1)
+        return query_scales, reference.by_query_scales(new, query_scales, 1)
 
     def _sinks_and_offset(self, new: torch.Tensor):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
@@ -249,7 +249,7 @@ class PackedKV(torch.Tensor):
             self.codes, self.scales, self.residual, *ops.spec_args(self.spec),
             self.fine_codes, self.fine_scales, self.head, self.offset,
         )  # fmt: skip
-        return _scaled(stored, self.query_scales, -1)
+        return reference.by_query_scales(stored, self.query_scales, -1)
 
     @property
     def _is_empty(self) -> bool:
@@ -467,16 +467,6 @@ def _map_inner(t: PackedKV, fn) -> PackedKV:
     head, offset, query_scales = (None if x is None else fn(x) for x in (t.head, t.offset, t.query_scales))
     return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset,
                     query_scales=query_scales)  # fmt: skip
-
-
-def _scaled(x: torch.Tensor | None, query_scales: torch.Tensor | None, power: int) -> torch.Tensor | None:
-    """``x [B, H, T, D]`` times (``power=1``) or divided by (``-1``) a query-scaled cache's scales,
-    repeated over query heads grouped as GQA reads them; unchanged where the cache has none."""
-    query_scales = reference.fixed_or_none(query_scales)
-    if x is None or query_scales is None:
-        return x
-    factor = query_scales.float().repeat_interleave(x.shape[1] // query_scales.shape[1], dim=1)
-    return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
 
 
 def _head_len(head: torch.Tensor | None) -> int:
@@ -699,7 +689,7 @@ def attention(
     if k_new is None:
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
-    q, k_new = _scaled(q, k.query_scales, -1), _scaled(k_new, k.query_scales, 1)
+    q, k_new = reference.by_query_scales(q, k.query_scales, -1), reference.by_query_scales(k_new, k.query_scales, 1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]

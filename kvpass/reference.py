@@ -526,6 +526,17 @@ def query_key_scales(query: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     return s.repeat(1, 1, 2)[:, :, None].to(SCALE_DTYPE)
 
 
+def by_query_scales(x: torch.Tensor | None, query_scales: torch.Tensor | None, power: int) -> torch.Tensor | None:
+    """``x [B, H, T, D]`` times (``power=1``) or divided by (``-1``) a query-scaled cache's scales
+    (:func:`query_key_scales`), repeated over query heads grouped as GQA reads them; unchanged where
+    the cache has none."""
+    query_scales = fixed_or_none(query_scales)
+    if x is None or query_scales is None:
+        return x
+    factor = query_scales.float().repeat_interleave(x.shape[1] // query_scales.shape[1], dim=1)
+    return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
+
+
 def sink_dtype(dtype: torch.dtype) -> torch.dtype:
     """What fp sinks are stored in: the model's dtype when it has 16 bits, else bfloat16 (an fp32
     model's sinks cost what a 16-bit model's do, and keep fp32's range)."""

@@ -13,19 +13,29 @@ it; also schemes kv4 does not have, such as the first ``sinks`` tokens of K and 
 fp wherever a sliding window has moved them (see :meth:`FpTokens.quantized`). A spec's own
 ``sinks`` and ``center`` are simulated as kv4 stores them: sinks at the start of the sequence
 until a sliding window evicts them, the offset fixed by a layer's first update.
+
+A query-scaled K spec (``QuantSpec.query_scaled``) takes its scales from the queries of a
+layer's first update, which reach attention, never the cache: run the model inside
+:func:`observed_queries`, which hands each attention call's queries to the layer just updated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Collection
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
-from kvpass.reference import bits_per_value, center_offset, quantize_dequantize
+from kvpass.reference import bits_per_value, by_query_scales, center_offset, query_key_scales, quantize_dequantize
+
+# Inside observed_queries: the layers whose first update waits for its queries (the attention call
+# right after the update hands them over). None outside it.
+_awaiting_queries: list[dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,8 @@ class FpTokens:
 
 def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
-    ``state`` (a dict per layer) counts the tokens seen and holds the sinks and offset each spec took."""
+    ``state`` (a dict per layer) counts the tokens seen and holds the sinks, offset and query scales
+    each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
         v_spec = k_spec
     k_spec, v_spec = (
@@ -79,11 +90,17 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
     )
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
-        prefixes = []
-        for x, spec in ((key_states, k_spec), (value_states, v_spec)):
-            sinks, takes_offset = (0, False) if spec is None else spec.prefix(x.shape[2])
-            prefixes.append((sinks, center_offset(x, spec) if takes_offset else None))
-        state.update(seen=0, prefixes=prefixes)
+        state.update(seen=0, prefixes=[_prefix(x, spec) for x, spec in ((key_states, k_spec), (value_states, v_spec))])
+        if k_spec is not None and k_spec.takes_query_scales(key_states.shape[2]):
+            # K's sinks and offset are of k * s, so they wait for the scales too.
+            state.update(k_spec=k_spec, first_keys=key_states)
+            if _awaiting_queries is not None:
+                _awaiting_queries.append(state)
+    elif "first_keys" in state:
+        raise RuntimeError(
+            f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
+            "handed them over: run the model inside kvpass.simulate.observed_queries()"
+        )
     state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
     past = full_k.shape[2] - key_states.shape[2]
@@ -91,18 +108,76 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     # The past as the cache stored it after the previous step; the new tokens are exact.
     start, stop = fp_tokens.quantized(past)
 
-    def read(full, spec, prefix):
+    def read(full, spec, prefix, query_scales=None):
         sinks, offset = prefix
         held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
         first = max(start, held)
         if spec is None or stop <= first:
             return full
-        # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens.
-        stored = quantize_dequantize(full[:, :, first - held : stop], spec, offset, sinks=held)
+        # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens: of k * s, read as k.
+        stored = by_query_scales(full[:, :, first - held : stop], query_scales, 1)
+        stored = by_query_scales(quantize_dequantize(stored, spec, offset, sinks=held), query_scales, -1)
         return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
 
     k_prefix, v_prefix = state["prefixes"]
-    return read(full_k, k_spec, k_prefix), read(full_v, v_spec, v_prefix)
+    return read(full_k, k_spec, k_prefix, state.get("query_scales")), read(full_v, v_spec, v_prefix)
+
+
+def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Tensor | None]:
+    """``(sinks, offset)`` a spec takes from a layer's first update ``first``."""
+    sinks, takes_offset = (0, False) if spec is None else spec.prefix(first.shape[2])
+    return sinks, center_offset(first, spec) if takes_offset else None
+
+
+def _take_queries(state: dict, query: torch.Tensor):
+    """Fix a layer's query scales from the queries of its first update, and K's sinks and offset with them."""
+    first = state.pop("first_keys")
+    (B, kv_heads, T, D), (qB, heads, qT, qD) = first.shape, query.shape
+    if (qB, qT, qD) != (B, T, D) or heads % kv_heads:
+        raise ValueError(
+            f"queries {tuple(query.shape)} do not read the first keys {tuple(first.shape)}: need the same batch, "
+            "tokens and head_dim, and query heads a multiple of the KV heads"
+        )
+    state["query_scales"] = query_key_scales(query, first)
+    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), state.pop("k_spec"))
+
+
+def _observing(attention):
+    """``attention`` (an HF attention function) handing its queries to the layer awaiting them."""
+    if getattr(attention, "observes_queries", False):
+        return attention
+
+    @functools.wraps(attention)
+    def observed(module, query, *args, **kwargs):
+        if _awaiting_queries:
+            # The latest update's layer is this call's; an older one missed its queries, and says so.
+            state = _awaiting_queries.pop()
+            _awaiting_queries.clear()
+            _take_queries(state, query)
+        return attention(module, query, *args, **kwargs)
+
+    observed.observes_queries = True
+    return observed
+
+
+@contextlib.contextmanager
+def observed_queries():
+    """Within it, the attention functions HF models look up (``sdpa``, their own ``eager``) hand the
+    queries of a layer's first update to a :class:`SimulatedKVCache` whose K spec takes query scales
+    from them. A model whose attention bypasses transformers' ``AttentionInterface`` hands nothing
+    over, and its next update says so."""
+    global _awaiting_queries
+    if _awaiting_queries is not None:
+        raise RuntimeError("observed_queries() is already active")
+    get_interface, getitem = AttentionInterface.get_interface, AttentionInterface.__getitem__
+    AttentionInterface.get_interface = lambda self, name, default: _observing(get_interface(self, name, default))
+    AttentionInterface.__getitem__ = lambda self, key: _observing(getitem(self, key))
+    _awaiting_queries = []
+    try:
+        yield
+    finally:
+        AttentionInterface.get_interface, AttentionInterface.__getitem__ = get_interface, getitem
+        _awaiting_queries = None
 
 
 class SimulatedKVCache(DynamicCache):
@@ -113,11 +188,6 @@ class SimulatedKVCache(DynamicCache):
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
         layers: Collection[int] | None = None,
     ):  # fmt: skip
-        if k_spec is not None and k_spec.query_scaled:
-            raise ValueError(
-                f"K spec {k_spec.tag}: query scales come from the queries, which a cache never sees; "
-                "SimulatedKVCache cannot simulate them (the kv4 backend stores them)"
-            )
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
             windows = {spec.window for spec in (k_spec, v_spec) if spec is not None}

@@ -1,5 +1,6 @@
 """The kv4 backend end to end on unmodified HF models."""
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import kvpass
 from kvpass import passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache
+from kvpass.simulate import SimulatedKVCache, observed_queries
 from tests.helpers import cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
 
 
@@ -69,8 +70,9 @@ def test_small_heads_store_plain_groups_and_say_so(head_dim, kv_heads, ratio, no
         (QuantSpec(4, "channel", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (KVConfig().k, KVConfig().v),
         (QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),) * 2,
+        (dataclasses.replace(KVConfig().k, query_scaled=True), KVConfig().v),
     ],
-    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined", "query-scaled"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -81,8 +83,9 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     ids, nxt = _ids(100, batch=2), _ids(1, batch=2, seed=1)
 
     reference = SimulatedKVCache(model.config, k_spec, v_spec)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
-    expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+    with observed_queries():
+        model(input_ids=ids, past_key_values=reference, use_cache=True)
+        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
 
     unquantized = DynamicCache()
     model(input_ids=ids, past_key_values=unquantized, use_cache=True)
@@ -92,6 +95,7 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
         v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
         clip=k_spec.clip, refine=k_spec.refine, k_sinks=k_spec.sinks, k_center=k_spec.center,
+        k_query_scaled=k_spec.query_scaled,
     )  # fmt: skip
     assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)
@@ -108,15 +112,15 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
 @torch.no_grad()
 def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
     torch._dynamo.reset()
-    ids = _ids(90)
+    ids = _ids(110)  # generating past 128 tokens: where the second plane stops growing
     model = kv_heavy_llama()
-    loop_tokens, cache = greedy_forward_loop(torch.compile(model, backend="kv4"), ids, 40)
+    loop_tokens, cache = greedy_forward_loop(torch.compile(model, backend="kv4"), ids, 20)
     assert isinstance(cache.layers[-1].values, PackedKV)
 
     torch._dynamo.reset()
     model = kv_heavy_llama()
     model.compile(backend="kv4")
-    generated = model.generate(ids, max_new_tokens=40, do_sample=False)
+    generated = model.generate(ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(loop_tokens, generated)
 
 
@@ -131,7 +135,7 @@ def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(monkeyp
     model.compile(backend=backend)
     with caplog.at_level(logging.WARNING, logger="kvpass"):
         for n in (5, 40, 100):
-            model.generate(_ids(n), max_new_tokens=20, do_sample=False)
+            model.generate(_ids(n), max_new_tokens=10, do_sample=False)
     assert len(backend.graphs) > 8
     assert "no int4 implementation" not in caplog.text and "recompile_limit" not in caplog.text
     assert torch._dynamo.config.recompile_limit == kvpass.backend.RECOMPILE_LIMIT
@@ -234,13 +238,13 @@ def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, mo
     assert saved.count("diff") >= 2 and saved.count("sites.txt") >= 2
 
 
-# inductor compiles C++ on CPU: about 35 s on 2 cores, worth it for the default GPU inner compiler.
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+# inductor compiles C++ on CPU: about 20 s on 2 cores, worth it for the default GPU inner compiler.
+# (aot_eager, the same AOT graphs without code generation, runs in tests/test_static.py.)
 @torch.no_grad()
-def test_inner_compilers_give_the_eager_inner_tokens(inner):
+def test_inductor_inner_compiler_gives_the_eager_inner_tokens():
     ids = _ids(70)
     results = []
-    for name in ("eager", inner):
+    for name in ("eager", "inductor"):
         torch._dynamo.reset()
         model = kv_heavy_llama(layers=1)
         tokens, cache = greedy_forward_loop(torch.compile(model, backend=kvpass.kv4(inner=name)), ids, 8)
@@ -277,7 +281,7 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
         torch._dynamo.reset()
         step = torch.compile(model, backend=backend)
         out = step(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-        for token in (5, 9):  # decode steps, fed the same tokens in every run
+        for token in (5,):  # a decode step, fed the same token in every run
             out = step(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         caches[name] = out.past_key_values.layers
         assert all(site.rewritten for g in backend.graphs for site in g.sites)
@@ -291,27 +295,21 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
 
 
 @torch.no_grad()
-def test_query_scaled_keys_take_their_scales_from_the_prompts_queries_and_read_exactly():
-    """``k_query_scaled=True``: the prefill graph hands each K cache its site's query; a decode step
-    reads the packed cache as the eager model reads the same cache dequantized."""
+def test_query_scaled_keys_take_their_scales_from_the_sites_query():
+    """``k_query_scaled=True``: the prefill graph hands each K cache its site's query (a decode step
+    reading them is checked against the eager twin above)."""
     torch._dynamo.reset()
     model = kv_heavy_llama()
     backend = kvpass.kv4(k_query_scaled=True)
     assert backend.config.k.query_scaled and not backend.config.v.query_scaled
     step = torch.compile(model, backend=backend)
-    ids, nxt = _ids(100, batch=2), _ids(1, batch=2, seed=1)
+    ids = _ids(100, batch=2)
     cache = DynamicCache()
     step(input_ids=ids, past_key_values=cache, use_cache=True)
     heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
     for layer in cache.layers:
         assert layer.keys.query_scales.shape == (2, heads, 1, head_dim) and layer.values.query_scales is None
         assert layer.keys.query_scales.float().std() > 0.01  # not all ones: the queries set them
-    dequantized = DynamicCache()
-    for index, layer in enumerate(cache.layers):
-        dequantized.update(layer.keys.dequantize(), layer.values.dequantize(), index)
-    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
-    expected = model(input_ids=nxt, past_key_values=dequantized, use_cache=True).logits
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     assert all(site.rewritten and not site.reason for g in backend.graphs for site in g.sites)
     prefill = next(g for g in backend.graphs if any(site.phase == "prefill" for site in g.sites))
     packs = [line for line in prefill.after.splitlines() if "kv4_pack(" in line]

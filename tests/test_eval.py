@@ -12,6 +12,7 @@ from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.models_zoo import build
+from tests.helpers import kv_heavy_llama
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
@@ -181,8 +182,7 @@ def test_method_names():
         kv_eval.parse_method("fp16-magic")
     assert kv_eval.parse_method("bf16").store_dtype == torch.bfloat16
     assert kv_eval.parse_method("kv4-qs").backend_kwargs == {"k_query_scaled": True}
-    with pytest.raises(ValueError, match="only in the real backend"):
-        kv_eval.parse_method("sim-kv4-qs")
+    assert kv_eval.parse_method("sim-kv4-qs").specs[0].query_scaled
 
 
 def test_kjv_stripping():
@@ -232,6 +232,33 @@ def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(mode
             assert torch.equal(read[:, :, stop:], full[:, :, stop:])  # window and new tokens: exact
             assert torch.equal(read[:, :, start:stop], quantize_dequantize(full[:, :, start:stop], spec))
             assert stop == start or not torch.equal(read, full)
+
+
+@torch.no_grad()
+def test_simulated_query_scaled_keys_need_the_queries_observed():
+    """Query scales come from a first update's queries, which only attention sees: outside
+    ``observed_queries`` the next update refuses; a prompt too short to fix scales needs none.
+    (Inside it, the twin equals kv4: tests/test_backend.py, the query-scaled decode.)"""
+    from kvpass.simulate import SimulatedKVCache, observed_queries
+
+    model = kv_heavy_llama(layers=1)  # heads of 64 channels: narrower ones take no scales
+    k_spec = dataclasses.replace(KVConfig().k, query_scaled=True)
+    ids, nxt = _tokens(80)[None], torch.tensor([[5]])
+    blind = SimulatedKVCache(model.config, k_spec, KVConfig().v)
+    model(input_ids=ids, past_key_values=blind, use_cache=True)
+    with pytest.raises(RuntimeError, match=r"no attention call handed them over: run the model inside kvpass"):
+        model(input_ids=nxt, past_key_values=blind, use_cache=True)
+    short = SimulatedKVCache(model.config, k_spec, KVConfig().v)
+    for step in (ids[:, :40], nxt):
+        model(input_ids=step, past_key_values=short, use_cache=True)
+    with observed_queries():
+        seen = SimulatedKVCache(model.config, k_spec, KVConfig().v)
+        for step in (ids, nxt):
+            model(input_ids=step, past_key_values=seen, use_cache=True)
+        with pytest.raises(RuntimeError, match="already active"), observed_queries():
+            pass
+    # kvpass eval's sim- methods run the model inside it.
+    assert kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4-qs")), _tokens(100)[None], 80) > 1
 
 
 def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):

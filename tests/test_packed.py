@@ -7,13 +7,11 @@ import platform
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec
 from kvpass import packed, reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
-from kvpass.simulate import SimulatedKVCache
 
 SPECS = [
     QuantSpec(4, "channel", 64),
@@ -655,8 +653,6 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
     assert QUERY_SCALED.tag.endswith(":ctr:qs") and QuantSpec.from_tag(QUERY_SCALED.tag) == QUERY_SCALED
     assert not QUERY_SCALED.for_slots.query_scaled and not QUERY_SCALED.for_head_dim(16).query_scaled
     assert not KVConfig().k.query_scaled  # opt-in
-    with pytest.raises(ValueError, match="SimulatedKVCache cannot simulate them"):
-        SimulatedKVCache(LlamaConfig(num_hidden_layers=1), QUERY_SCALED, KVConfig().v)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
