@@ -141,7 +141,7 @@ def kv4(
     v_sinks: int | None = None,
     k_center: bool | None = None,
     v_center: bool | None = None,
-    k_query_scaled: bool = False,
+    k_query_scaled: bool | None = None,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -192,7 +192,8 @@ def kv4(
         bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
         window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
         refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
-        center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric), query_scaled=k_query_scaled,
+        center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
+        query_scaled=default(k_query_scaled, _DEFAULT.k.query_scaled, k_plain),
     )
     config = KVConfig(
         k=k,

@@ -316,7 +316,9 @@ class KVConfig:
     """Everything the kv4 backend can be told. Build one through :func:`kvpass.kv4`."""
 
     # Chosen by measured streaming perplexity on SmolLM2 and Gemma 3 (docs/eval.md, docs/design.md).
-    k: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True)
+    k: QuantSpec = QuantSpec(
+        bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True, query_scaled=True
+    )
     v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     # K specs for chosen layers, as (layer index, spec) pairs: a layer's index is the last number
     # in its attention module's path (11 for model.layers.11.self_attn).

@@ -314,7 +314,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
 
     import kvpass
     from kvpass.packed import PackedKV
-    from kvpass.simulate import SimulatedKVCache
+    from kvpass.simulate import SimulatedKVCache, observed_queries
 
     row = {"model_type": model_type}
     if model_type in CANNOT_RUN:
@@ -354,8 +354,9 @@ def check_one(model_type: str, routes: bool = False) -> dict:
             latent = any(t.spec == defaults.v.for_head_dim(t.shape[-1]) != defaults.k.for_head_dim(t.shape[-1])
                          for t in keys)  # fmt: skip
             reference = SimulatedKVCache(model.config, defaults.v if latent else defaults.k, defaults.v)
-            model(input_ids=ids, past_key_values=reference, use_cache=True)
-            expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+            with observed_queries():
+                model(input_ids=ids, past_key_values=reference, use_cache=True)
+                expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
             model.compile(backend=kvpass.kv4())
             model.generate(ids, max_new_tokens=4, do_sample=False)
     except Exception as err:  # noqa: BLE001

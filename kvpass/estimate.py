@@ -17,7 +17,7 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 ``min(refine, tokens // 8)`` tokens of each layer also hold a second plane of codes and
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
-paid for by 15 fewer refined K tokens; contexts are costed as one prompt (sinks and offset come
+paid for by 15 fewer refined K tokens, and an fp16 row of query scales (``QuantSpec.query_scaled``); contexts are costed as one prompt (sinks and offset come
 from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by one refined
 token at head_dim 32, free from 64). Heads under 32 channels store neither plane nor sinks. fp8
 and int8 are costed without scales.
@@ -189,15 +189,15 @@ def _ranges(indices: list[int]) -> str:
 def _kv4_spec_bytes(spec: QuantSpec, heads: int, dim: int, context: int, held: int) -> float:
     """Bytes one layer's K or V stores under ``spec`` for one sequence holding ``held`` of a
     prompt's ``context`` tokens: a code and scale per value, the second code plane of the newest
-    tokens, and the fp16 sinks (beyond the codes they stand for) and offset the prompt fixes, the
-    sinks evicted where a sliding window holds fewer than ``context``."""
+    tokens, and the fp16 sinks (beyond the codes they stand for), offset and query scales the prompt
+    fixes, the sinks evicted where a sliding window holds fewer than ``context``."""
     bits = reference.bits_per_value(spec, heads, dim)
     fp16_bits = _FIXED_BITS["fp16"]
     taken, has_offset = spec.prefix(context)
     sinks = taken if held == context else 0
     refined = spec.refined_tokens(held, dim, sinks, has_offset)
-    offset_bits = fp16_bits * dim if has_offset else 0
-    return heads * ((held + refined) * dim * bits + sinks * dim * (fp16_bits - bits) + offset_bits) / 8
+    rows_bits = fp16_bits * dim * (has_offset + spec.takes_query_scales(context))  # offset, query scales
+    return heads * ((held + refined) * dim * bits + sinks * dim * (fp16_bits - bits) + rows_bits) / 8
 
 
 def kv_bytes_per_token(
@@ -537,6 +537,7 @@ def describe(
         f"{k_spec.plane_cost(k_spec.sinks, True, sizes.k_head_dim)} fewer second-plane K tokens (prompts of "
         f"{PREFIX_MIN_TOKENS}+ tokens; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, "
         + (f"for {short_cost}); " if short_cost else "unpaid); ")
+        + (f"an fp16 row of K query scales per KV head (prompts of {PREFIX_MIN_TOKENS}+ tokens); " if k_spec.query_scaled else "")
         if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
     )
     by_bits: dict[int, list[int]] = {}

@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import logging
 import math
@@ -196,8 +195,8 @@ def parse_method(name: str) -> Method:
         kwargs["k_sinks"] = int(m["k_sinks"] or 0)
     if m["k_center"] or variant or m["base"] != "kv4":
         kwargs["k_center"] = bool(m["k_center"])
-    if m["query_scaled"]:
-        kwargs["k_query_scaled"] = True
+    if m["query_scaled"] or variant or m["base"] != "kv4":
+        kwargs["k_query_scaled"] = bool(m["query_scaled"])
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")
@@ -227,12 +226,11 @@ class Runner:
         if method.kind == "fp":
             self.step, self.new_cache = model, DynamicCache
         elif method.kind == "sim":
-            from kvpass.simulate import SimulatedKVCache
+            from kvpass.simulate import SimulatedKVCache, observing_queries
 
             k, v = method.specs
-            self.step, self.new_cache = model, lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
-            if k.query_scaled:
-                self.step = functools.partial(_observing_queries, model)
+            self.step = observing_queries(model)
+            self.new_cache = lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
         elif method.kind == "rounded":
             from kvpass.simulate import RoundedKVCache
 
@@ -266,13 +264,6 @@ class Runner:
             if bad:
                 raise RuntimeError(f"kv4 left {len(bad)} attention sites unrewritten in {graph.name}: {bad[0].reason}")
 
-
-def _observing_queries(model, **inputs):
-    """``model(**inputs)`` handing a simulated query-scaled K cache its first queries."""
-    from kvpass.simulate import observed_queries
-
-    with observed_queries():
-        return model(**inputs)
 
 
 def cache_bytes(cache) -> int | None:

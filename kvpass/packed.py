@@ -686,6 +686,8 @@ def attention(
     Gemma-2's ``cap * tanh(scores / cap)``. ``v_heads[j]`` is the stored V head that head ``j`` of V
     reads (DiffLlama: a chunk of the heads tiled back); it copies the picked heads' codes.
     """
+    if reference.fixed_or_none(v.query_scales) is not None:
+        raise ValueError(f"V ({v.spec.tag}) holds query scales: attention reads V as stored; store it unscaled")
     if k_new is None:
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
     # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.

@@ -1025,8 +1025,10 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
     _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
 
 
-def _scales_query(attn: _Attention, k: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
+def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
     """The query a query-scaled K's first write takes its scales from, or None and why there is none."""
+    if k.node is v.node:  # V would be read as stored, times the scales
+        return None, "K and V are one tensor"
     if attn.tiles > 1:
         return None, "its query heads are tiled over the cache's"
     if order.get(attn.query, len(order)) > order[k.node]:
@@ -1318,7 +1320,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
                 log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
         query = None
         if site_config.k.query_scaled and k.past is None and not _is_static(k):
-            query, why = _scales_query(attn, k, order)
+            query, why = _scales_query(attn, k, v, order)
             if query is None:
                 notes.append(f"K is stored without query scales: {why}")
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, query)

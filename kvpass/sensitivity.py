@@ -28,7 +28,9 @@ class _Run:
     """What :func:`kvpass.eval.streaming_nll` runs: the model, over caches from ``new_cache``."""
 
     def __init__(self, model, new_cache):
-        self.step, self.new_cache = model, new_cache
+        from kvpass.simulate import observing_queries
+
+        self.step, self.new_cache = observing_queries(model), new_cache
 
     def check(self, cache) -> None:
         pass  # simulated caches hold fp tensors: nothing to check

@@ -83,8 +83,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
     ``state`` (a dict per layer) counts the tokens seen and holds the sinks, offset and query scales
     each spec took."""
-    if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec
-        v_spec = k_spec
+    if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec, unscaled
+        k_spec = v_spec = None if k_spec is None else dataclasses.replace(k_spec, query_scaled=False)
     k_spec, v_spec = (
         None if spec is None else spec.for_head_dim(x.shape[-1])
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
@@ -216,3 +216,13 @@ class RoundedKVCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, DynamicLayer):
                 layer.update = functools.partial(_rounded_update, layer.update, dtype)
+
+
+def observing_queries(model):
+    """``model`` called inside :func:`observed_queries`: a step over :class:`SimulatedKVCache`."""
+
+    def step(*args, **kwargs):
+        with observed_queries():
+            return model(*args, **kwargs)
+
+    return step

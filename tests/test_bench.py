@@ -20,9 +20,9 @@ def test_memory_kv4_stores_about_a_quarter_of_fp16():
     # 4-bit codes + one fp16 scale per group of 64 channels: 4.25/16 of fp16, and the same again
     # for the refined newest min(64, tokens // 8) tokens of each sequence (130 tokens: 16). The
     # first 64-token chunk gives K 4 fp16 sinks and an fp16 offset row, paid for by 15 of its 16
-    # refined tokens.
+    # refined tokens, and an fp16 row of query scales.
     assert kv4["tokens"] == 2 * 130  # batch 2
-    k_tokens = (130 - 4 + 1) * 4.25 / 16 + 4 + 1
+    k_tokens = (130 - 4 + 1) * 4.25 / 16 + 4 + 1 + 1
     v_tokens = (130 + 16) * 4.25 / 16
     assert kv4["ratio_fp16"] == pytest.approx((k_tokens + v_tokens) / (2 * 130))
     assert kv4["peak_rss_mib"] >= kv4["warm_rss_mib"] > 0

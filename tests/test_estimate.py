@@ -66,8 +66,9 @@ def test_kv4_ratio_head_dim_128():
     assert ratio == (4.25 + 4.25) / 32 == 0.265625
     assert kv_bytes_per_token((32, 8, 128), "kv4") == 34816  # 34 KiB
     # plus the second code plane of the newest 64 tokens of every layer, of which K gives 15 up for
-    # its first 4 tokens in fp16 (beyond their 4.25 bits) and an fp16 offset row per KV head
-    k_extra = 49 * 128 * 4.25 / 8 + 4 * 128 * (16 - 4.25) / 8 + 128 * 2
+    # its first 4 tokens in fp16 (beyond their 4.25 bits) and an fp16 offset row per KV head; K also
+    # keeps an fp16 row of query scales per KV head
+    k_extra = 49 * 128 * 4.25 / 8 + 4 * 128 * (16 - 4.25) / 8 + 128 * 2 + 128 * 2
     v_extra = 64 * 128 * 4.25 / 8
     assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 32 * 8 * (k_extra + v_extra)
     assert kv_cache_bytes((32, 8, 128), "kv4", 5) == 5 * 34816  # no sinks, and no plane under 8 tokens
@@ -83,7 +84,8 @@ def test_kv4_ratio_head_dim_128():
 
 @pytest.mark.parametrize("heads, head_dim", [(2, 8), (4, 16), (2, 32), (3, 64), (1, 80), (2, 128), (1, 256)])
 def test_kv4_estimate_is_what_a_cache_built_from_one_prompt_stores(heads, head_dim):
-    # Prompts under 6 tokens, 6-63 (one sink), 64+ (sinks and offset) and a long one whose plane is full.
+    # Prompts under 6 tokens, 6-63 (one sink), 64+ (sinks, offset and query scales) and a long one
+    # whose plane is full.
     import torch
 
     from kvpass.config import KVConfig
@@ -91,8 +93,8 @@ def test_kv4_estimate_is_what_a_cache_built_from_one_prompt_stores(heads, head_d
 
     specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
     for context in (5, 6, 12, 63, 64, 100, 700):
-        prompt = torch.randn(1, heads, context, head_dim, dtype=torch.float16)
-        stored = sum(PackedKV.from_float(prompt, spec).stored_bytes() for spec in specs)
+        prompt, query = torch.randn(2, 1, heads, context, head_dim, dtype=torch.float16)
+        stored = sum(PackedKV.from_float(prompt, spec, query).stored_bytes() for spec in specs)
         assert kv_cache_bytes((1, heads, head_dim), "kv4", context) == stored, context
 
 

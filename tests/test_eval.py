@@ -151,17 +151,21 @@ def test_prefix_starts_every_stream_and_prompt(model, monkeypatch):
 def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token", v_group=128,
-                                    v_rotate=True, clip=False, refine=0, k_sinks=0, k_center=False)  # fmt: skip
+                                    v_rotate=True, clip=False, refine=0, k_sinks=0, k_center=False,
+                                    k_query_scaled=False)  # fmt: skip
     assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0, "k_sinks": 0,
-                                                           "k_center": False}  # fmt: skip
+                                                           "k_center": False, "k_query_scaled": False}  # fmt: skip
     # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
     refined = kv_eval.parse_method("kv4-rot-mse-r64")
     assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 3, 64) == 34 / 128 * (1 + 64 / 4096)
     assert refined.fp16_ratio(256, 3, 64) == 34 / 128 * (1 + 1 / 8)
     # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
-    # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks and -kc centers K
+    # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks, -kc centers K and -qs
+    # scales it by the queries
     assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
-    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs == (KVConfig().k, KVConfig().v)
+    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs").specs == (KVConfig().k, KVConfig().v)
+    previous = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs[0]  # the default until the fifteenth run
+    assert previous == dataclasses.replace(KVConfig().k, query_scaled=False)
     assert not any(s.sinks or s.center for s in kv_eval.parse_method("kv4-rot-mse-r64").specs)
     k, v = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc").specs
     assert (k.sinks, k.center, k.refine, v.sinks, v.center, v.refine) == (4, True, 56, 0, False, 56)

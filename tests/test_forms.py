@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache
+from kvpass.simulate import SimulatedKVCache, observed_queries
 from tests.helpers import latent_decode
 
 COMMON = {"vocab_size": 256, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": 1}
@@ -149,8 +149,9 @@ def test_form_rewritten_and_matches_reference(name):
 
     config = backend.config
     reference = SimulatedKVCache(model.config, config.k, config.v)
-    model(**inputs[0], past_key_values=reference, use_cache=True)
-    expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
+    with observed_queries():
+        model(**inputs[0], past_key_values=reference, use_cache=True)
+        expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -283,6 +284,7 @@ def test_a_second_model_whose_constants_dynamo_stops_specialising_is_rewritten(f
     assert sites and all(site.rewritten for site in sites), [site.reason for site in sites]
 
     reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
-    expected = model(input_ids=ids[:, :1], past_key_values=reference, use_cache=True).logits
+    with observed_queries():
+        model(input_ids=ids, past_key_values=reference, use_cache=True)
+        expected = model(input_ids=ids[:, :1], past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

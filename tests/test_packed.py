@@ -620,6 +620,9 @@ def test_query_scales_are_fixed_by_a_prompt_and_its_queries_and_undone_on_readin
     k_all = torch.cat([p.dequantize(), k_new], 2).repeat_interleave(2, 1)
     v_all = torch.cat([v.dequantize(), v_new], 2).repeat_interleave(2, 1)
     torch.testing.assert_close(fused, torch.nn.functional.scaled_dot_product_attention(q_new, k_all, v_all), rtol=0, atol=1e-5)
+    # V is read as stored: a scaled one (K and V one tensor, as DeepSeek-V4's) would be read times s.
+    with pytest.raises(ValueError, match="holds query scales: attention reads V as stored"):
+        packed.attention(q_new, p, p, k_new, k_new)
     # What it is for: the queries' logits move less than with the plain spec's error.
     plain = PackedKV.from_float(x, plain_spec).dequantize()
     logit_error = [(q @ (k - x).repeat_interleave(2, 1).transpose(-1, -2)).std() for k in (p.dequantize(), plain)]
@@ -652,7 +655,7 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
         QuantSpec(query_scaled=1)
     assert QUERY_SCALED.tag.endswith(":ctr:qs") and QuantSpec.from_tag(QUERY_SCALED.tag) == QUERY_SCALED
     assert not QUERY_SCALED.for_slots.query_scaled and not QUERY_SCALED.for_head_dim(16).query_scaled
-    assert not KVConfig().k.query_scaled  # opt-in
+    assert KVConfig().k.query_scaled and not KVConfig().v.query_scaled  # K's default
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")

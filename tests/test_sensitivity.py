@@ -1,5 +1,6 @@
 """Per-layer key sensitivity: the one-layer simulation it rests on, and the command."""
 
+import dataclasses
 import math
 
 import torch
@@ -12,7 +13,7 @@ from kvpass.models_zoo import build
 from kvpass.simulate import SimulatedKVCache
 from tests.helpers import kv_heavy_llama
 
-K = KVConfig().k
+K = dataclasses.replace(KVConfig().k, query_scaled=False)  # updates made directly hand over no queries
 
 
 def test_simulating_one_layers_keys_leaves_every_other_tensor_exact():

@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 import kvpass
 from kvpass.models_zoo import ZOO, build
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache
+from kvpass.simulate import SimulatedKVCache, observed_queries
 
 # MLA: the cache holds the compressed latent; K and V are projected from it after the cache
 # read, so the latent is stored int4 and read dequantized ("latent" sites).
@@ -47,8 +47,9 @@ def test_family_compiles_rewrites_and_matches_reference(name):
 
     # A latent cache is stored with V's spec: nothing attends over it as keys.
     reference = SimulatedKVCache(model.config, config.v if name in LATENT else config.k, config.v)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
-    expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+    with observed_queries():
+        model(input_ids=ids, past_key_values=reference, use_cache=True)
+        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -83,8 +84,9 @@ def test_half_precision_model_matches_reference(dtype):
     assert cache.layers[0].keys.dtype == dtype and cache.layers[0].keys.residual.dtype == dtype
 
     reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
-    expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits.float()
+    with observed_queries():
+        model(input_ids=ids, past_key_values=reference, use_cache=True)
+        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits.float()
     unquantized = DynamicCache()
     model(input_ids=ids, past_key_values=unquantized, use_cache=True)
     fp = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits.float()
