@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpass.bench import decode, memory
+from kvpass.estimate import kv_cache_bytes
 
 TINY = dict(hidden=128, layers=1)
 
@@ -46,8 +47,22 @@ def test_decode_grid_reports_ratios_to_fp():
     assert "error" not in by["kv4"], by["kv4"]
     assert by["fp"]["ratio_fp"] == 1.0
     assert by["kv4"]["median_ms"] > 0 and by["kv4"]["ratio_fp"] > 0
-    assert by["kv4"]["stored_bytes"] < 0.3 * by["fp"]["stored_bytes"] / 2  # fp32 model: fp is 4 bytes/value
+    # What kv4 stores after a prompt and the decode steps is what `kvpass estimate` costs for one
+    # sequence of that length (1 layer, 8 KV heads of 128 channels; the fp32 model's fp is 4 bytes/value).
+    tokens = by["fp"]["stored_bytes"] // (2 * 8 * 128 * 4)
+    assert tokens == 128 + 2 + 3
+    assert by["kv4"]["stored_bytes"] == kv_cache_bytes((1, 8, 128), "kv4", tokens)
     assert "x fp" in decode.format_table(rows)
+
+
+def test_decode_fast_fill_packs_keys_with_query_scales_as_a_prefill_does():
+    import kvpass
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64), 0)
+    layer = decode._pack(cache, kvpass.kv4().config, query_heads=4).layers[0]
+    assert layer.keys.query_scales.shape == (1, 2, 1, 64) and layer.values.query_scales is None
 
 
 def test_cli_arguments_parse():

@@ -12,7 +12,8 @@ over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), `
 
 ``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
-prefill); ``--fill real`` prefills through the compiled model.
+prefill; K's query scales from the keys standing in for the fill's queries); ``--fill real``
+prefills through the compiled model.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
 _HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "quanto": "quanto"}
 
 
-def _pack(cache, backend_config):
+def _pack(cache, backend_config, query_heads: int):
     from kvpass.packed import PackedKV
 
     for layer in cache.layers:
-        layer.keys = PackedKV.from_float(layer.keys, backend_config.k)
+        # The fill's queries are gone; the keys stand in for them, so a query-scaled K holds scales
+        # and decode reads them as after a real prefill (latency does not depend on their values).
+        query = layer.keys.repeat_interleave(query_heads // layer.keys.shape[1], dim=1)
+        layer.keys = PackedKV.from_float(layer.keys, backend_config.k, query)
         layer.values = PackedKV.from_float(layer.values, backend_config.v)
     return cache
 
@@ -52,7 +56,7 @@ def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
         cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab)
-        cache = _pack(cache, kvpass.kv4().config)
+        cache = _pack(cache, kvpass.kv4().config, model.config.num_attention_heads)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
     fill_s = time.perf_counter() - t0
