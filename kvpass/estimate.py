@@ -17,10 +17,10 @@ left out, as it is negligible at the context lengths where the cache matters. Th
 ``min(refine, tokens // 8)`` tokens of each layer also hold a second plane of codes and
 scales (``QuantSpec.refine``, 64 by default), costed like the first. K's first 4 tokens stay
 fp16 and an fp16 offset row is kept per KV head (``QuantSpec.sinks``, ``QuantSpec.center``),
-paid for by 15 fewer refined K tokens, and an fp16 row of query scales (``QuantSpec.query_scaled``); contexts are costed as one prompt (sinks and offset come
-from prompts of 64 tokens or more; a prompt of 6 to 63 keeps one sink, paid for by one refined
-token at head_dim 32, free from 64). Heads under 32 channels store neither plane nor sinks. fp8
-and int8 are costed without scales.
+paid for by 15 fewer refined K tokens, and an fp16 row of query scales (``QuantSpec.query_scaled``);
+contexts are costed as one prompt (sinks, offset and query scales come from prompts of 64 tokens or
+more; a prompt of 6 to 63 keeps one sink, paid for by one refined token at head_dim 32, free from
+64). Heads under 32 channels store neither plane nor sinks. fp8 and int8 are costed without scales.
 """
 
 from __future__ import annotations

@@ -265,7 +265,6 @@ class Runner:
                 raise RuntimeError(f"kv4 left {len(bad)} attention sites unrewritten in {graph.name}: {bad[0].reason}")
 
 
-
 def cache_bytes(cache) -> int | None:
     """Bytes the cache holds (packed codes + scales + residual for kv4; quanto's inner tensors)."""
     from kvpass.packed import PackedKV

@@ -70,9 +70,9 @@ def test_small_heads_store_plain_groups_and_say_so(head_dim, kv_heads, ratio, no
         (QuantSpec(4, "channel", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True)),
         (KVConfig().k, KVConfig().v),
         (QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),) * 2,
-        (dataclasses.replace(KVConfig().k, query_scaled=True), KVConfig().v),
+        (dataclasses.replace(KVConfig().k, query_scaled=False), KVConfig().v),
     ],
-    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined", "query-scaled"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined", "previous-default"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -296,8 +296,8 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
 
 @torch.no_grad()
 def test_query_scaled_keys_take_their_scales_from_the_sites_query():
-    """``k_query_scaled=True``: the prefill graph hands each K cache its site's query (a decode step
-    reading them is checked against the eager twin above)."""
+    """Query-scaled K (the default): the prefill graph hands each K cache its site's query (a decode
+    step reading them is checked against the eager twin above, "default")."""
     torch._dynamo.reset()
     model = kv_heavy_llama()
     backend = kvpass.kv4(k_query_scaled=True)

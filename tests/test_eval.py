@@ -242,11 +242,12 @@ def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(mode
 def test_simulated_query_scaled_keys_need_the_queries_observed():
     """Query scales come from a first update's queries, which only attention sees: outside
     ``observed_queries`` the next update refuses; a prompt too short to fix scales needs none.
-    (Inside it, the twin equals kv4: tests/test_backend.py, the query-scaled decode.)"""
+    (Inside it, the twin equals kv4: tests/test_backend.py, the first decode step.)"""
     from kvpass.simulate import SimulatedKVCache, observed_queries
 
     model = kv_heavy_llama(layers=1)  # heads of 64 channels: narrower ones take no scales
-    k_spec = dataclasses.replace(KVConfig().k, query_scaled=True)
+    k_spec = KVConfig().k
+    assert k_spec.query_scaled
     ids, nxt = _tokens(80)[None], torch.tensor([[5]])
     blind = SimulatedKVCache(model.config, k_spec, KVConfig().v)
     model(input_ids=ids, past_key_values=blind, use_cache=True)
