@@ -33,6 +33,10 @@ from transformers.modeling_utils import AttentionInterface
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import bits_per_value, by_query_scales, center_offset, query_key_scales, quantize_dequantize
 
+class QueriesNotObserved(RuntimeError):
+    """A query-scaled K layer's next update came without the queries of its first one."""
+
+
 # Inside observed_queries: the layers whose first update waits for its queries (the attention call
 # right after the update hands them over). None outside it.
 _awaiting_queries: list[dict] | None = None
@@ -97,7 +101,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
             if _awaiting_queries is not None:
                 _awaiting_queries.append(state)
     elif "first_keys" in state:
-        raise RuntimeError(
+        raise QueriesNotObserved(
             f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
             "handed them over: run the model inside kvpass.simulate.observed_queries()"
         )
