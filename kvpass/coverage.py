@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import dataclasses
 import json
 import logging
 import math
@@ -315,7 +314,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
 
     import kvpass
     from kvpass.packed import PackedKV
-    from kvpass.simulate import QueriesNotObserved
+    from kvpass.simulate import QueriesNotObserved, k_spec_as_stored
 
     row = {"model_type": model_type}
     if model_type in CANNOT_RUN:
@@ -354,9 +353,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
             keys = [t for layer in cache.layers if isinstance(t := getattr(layer, "keys", None), PackedKV)]
             latent = any(t.spec == defaults.v.for_head_dim(t.shape[-1]) != defaults.k.for_head_dim(t.shape[-1])
                          for t in keys)  # fmt: skip
-            twin_k = defaults.v if latent else defaults.k
-            if any("stored without query scales" in site.reason for graph in backend.graphs for site in graph.sites):
-                twin_k = dataclasses.replace(twin_k, query_scaled=False)  # as kv4 stored it (tiled query heads)
+            twin_k = k_spec_as_stored(defaults.v if latent else defaults.k, keys)
             try:
                 expected = _twin_logits(model, ids, nxt, twin_k, defaults.v)
             except QueriesNotObserved:

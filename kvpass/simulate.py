@@ -31,7 +31,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
-from kvpass.reference import bits_per_value, by_query_scales, center_offset, query_key_scales, quantize_dequantize
+from kvpass.reference import (
+    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_key_scales, quantize_dequantize,
+)  # fmt: skip
+
 
 class QueriesNotObserved(RuntimeError):
     """A query-scaled K layer's next update came without the queries of its first one."""
@@ -94,9 +97,10 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
     )
     if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
-        state.update(seen=0, prefixes=[_prefix(x, spec) for x, spec in ((key_states, k_spec), (value_states, v_spec))])
-        if k_spec is not None and k_spec.takes_query_scales(key_states.shape[2]):
-            # K's sinks and offset are of k * s, so they wait for the scales too.
+        # K's sinks and offset are of k * s when it takes query scales, so they wait for the scales.
+        waits = k_spec is not None and k_spec.takes_query_scales(key_states.shape[2])
+        state.update(seen=0, prefixes=[(0, None) if waits else _prefix(key_states, k_spec), _prefix(value_states, v_spec)])
+        if waits:
             state.update(k_spec=k_spec, first_keys=key_states)
             if _awaiting_queries is not None:
                 _awaiting_queries.append(state)
@@ -220,6 +224,14 @@ class RoundedKVCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, DynamicLayer):
                 layer.update = functools.partial(_rounded_update, layer.update, dtype)
+
+
+def k_spec_as_stored(k_spec: QuantSpec, keys) -> QuantSpec:
+    """``k_spec`` as kv4 stored these packed K caches: without query scales where one holds none
+    after a long enough prompt (a site kept K unscaled, e.g. tiled query heads, which the twin
+    cannot tell from GQA groups by their shapes)."""
+    unscaled = any(t.spec.query_scaled and fixed_or_none(t.query_scales) is None for t in keys)
+    return dataclasses.replace(k_spec, query_scaled=False) if unscaled else k_spec
 
 
 def observing_queries(model):

@@ -5,7 +5,6 @@ model reading the same quantized past (:class:`kvpass.simulate.SimulatedKVCache`
 Batch 2, so folding heads into the batch (``[B * H, T, D]``) is checked in the right order.
 """
 
-import dataclasses
 import re
 
 import pytest
@@ -15,7 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache, observed_queries
+from kvpass.simulate import SimulatedKVCache, k_spec_as_stored, observed_queries
 from tests.helpers import latent_decode
 
 COMMON = {"vocab_size": 256, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": 1}
@@ -149,9 +148,7 @@ def test_form_rewritten_and_matches_reference(name):
     assert not any(re.search(r"torch\.cat\(\[\w*layers_\d+_(keys|values)", graph.after) for graph in backend.graphs)
 
     config = backend.config
-    k_spec = config.k
-    if any("stored without query scales" in site.reason for site in sites):  # JetMoE's tiled query heads
-        k_spec = dataclasses.replace(k_spec, query_scaled=False)
+    k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # JetMoE's tiled heads: unscaled
     reference = SimulatedKVCache(model.config, k_spec, config.v)
     with observed_queries():
         model(**inputs[0], past_key_values=reference, use_cache=True)

@@ -12,6 +12,7 @@ from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKE
 from kvpass import packed, reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
+from kvpass.simulate import k_spec_as_stored
 
 SPECS = [
     QuantSpec(4, "channel", 64),
@@ -646,6 +647,10 @@ def test_no_query_or_a_short_prompt_leaves_keys_unscaled():
         assert p.query_scales.shape[2] == 0
         if first == 80:
             torch.testing.assert_close(p.dequantize(), plain, rtol=0, atol=0)
+            # The eager twin reads such a cache with the spec kv4 stored it with: unscaled.
+            assert not k_spec_as_stored(QUERY_SCALED, [p]).query_scaled
+    scaled = PackedKV.from_float(x, QUERY_SCALED, q)
+    assert k_spec_as_stored(QUERY_SCALED, [scaled]) == QUERY_SCALED
 
 
 def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_strip_it():
