@@ -505,6 +505,30 @@ def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool =
     return row
 
 
+def rows_file_of(output: str) -> Path:
+    """Where a run writes each row as it lands (a JSON line; the first holds the run's settings), so
+    that a run stopped after an hour keeps what it found; removed once the matrix is written."""
+    return Path(output).with_name(Path(output).name + ".rows.jsonl")
+
+
+def rows_so_far(rows_file: Path, settings: dict) -> list[dict]:
+    """The rows an interrupted run wrote to ``rows_file``, which must have had these ``settings``."""
+    if not rows_file.exists():
+        raise FileNotFoundError(f"--resume found no rows of an interrupted run at {rows_file}; run without --resume")
+    lines = rows_file.read_text().splitlines()
+    header = json.loads(lines[0]) if lines else {}
+    rows = []
+    for line in lines[1:]:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the row being written when the run was stopped: run it again
+            break
+    if header.get("settings") != settings:
+        raise ValueError(f"the rows in {rows_file} were checked with {header.get('settings')}, not {settings}; "
+                         "rerun with those settings or without --resume")  # fmt: skip
+    return rows
+
+
 def summarize(rows: list[dict]) -> dict:
     with_cache = [r for r in rows if r["status"] in ("rewritten", "partly rewritten", "left fp16", "no site found", "kv4 fails")]
     rewritten = [r for r in with_cache if r["status"] == "rewritten"]
@@ -586,6 +610,10 @@ def add_arguments(parser) -> None:
         help="run only the named model types and replace or add their rows in the --json file (and --output)",
     )  # fmt: skip
     parser.add_argument(
+        "--resume", action="store_true",
+        help="keep the rows an interrupted run with the same settings wrote (--output's .rows.jsonl) and run only the rest",
+    )  # fmt: skip
+    parser.add_argument(
         "--head-dim", type=int, default=TINY["head_dim"],
         help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})",
     )  # fmt: skip
@@ -599,11 +627,24 @@ def run(args) -> int:
     saved = json.loads(Path(args.json).read_text()) if args.update else None
     if saved is not None:
         _check_updatable(saved)  # before the run, which may take an hour
-    set_head_dim(args.head_dim)
     types = args.model_types or causal_lm_types()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes): t for t in types}
-        rows = [f.result() for f in tqdm(concurrent.futures.as_completed(futures), total=len(types), desc="model types")]
+    rows_file = rows_file_of(args.output)
+    settings = {"head_dim": args.head_dim, "routes": args.routes}
+    rows = [r for r in rows_so_far(rows_file, settings) if r["model_type"] in types] if args.resume else []
+    set_head_dim(args.head_dim)
+    if rows:
+        log.info("resuming: %d rows from %s", len(rows), rows_file)
+    done = {r["model_type"] for r in rows}
+    todo = [t for t in types if t not in done]
+    rows_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(rows_file, "w") as rows_out:
+        rows_out.writelines(json.dumps(line) + "\n" for line in [{"settings": settings}, *rows])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes) for t in todo]
+            for future in tqdm(concurrent.futures.as_completed(futures), total=len(todo), desc="model types"):
+                rows.append(future.result())
+                rows_out.write(json.dumps(rows[-1]) + "\n")
+                rows_out.flush()
     command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"
     commands = [command]
     if args.update:
@@ -615,6 +656,7 @@ def run(args) -> int:
     Path(args.output).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "commands": commands, "rows": rows}, indent=1))
+    rows_file.unlink()
     print(text)
     return 0
 

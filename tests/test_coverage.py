@@ -181,6 +181,46 @@ def test_update_refuses_a_json_without_its_command_before_running_anything(tmp_p
     assert "does not name the command that made it" in capsys.readouterr().err
 
 
+def test_a_stopped_run_resumes_from_the_rows_it_wrote(tmp_path, monkeypatch, capsys):
+    """An hour-long matrix stopped near its end keeps every row it had: ``--resume`` runs the rest."""
+    monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))  # --head-dim sets it
+    monkeypatch.setattr(coverage, "UNSET", dict(coverage.UNSET))
+    types = ["gpt2", "llama", "mistral", "qwen2"]
+    out, matrix = tmp_path / "m.md", tmp_path / "m.json"
+
+    def stopped_at_mistral(model_type, *args):
+        if model_type == "mistral":
+            raise KeyboardInterrupt
+        return {"model_type": model_type, "status": "rewritten"}
+
+    monkeypatch.setattr(coverage, "_run_isolated", stopped_at_mistral)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["coverage", "--jobs", "1", "--json", str(matrix), "--output", str(out), *types])
+    rows_file = coverage.rows_file_of(str(out))
+    kept = {r["model_type"] for r in coverage.rows_so_far(rows_file, {"head_dim": 32, "routes": False})}
+    assert kept and "mistral" not in kept  # which others finished first is up to the pool
+    with open(rows_file, "a") as f:
+        f.write('{"model_type": "mis')  # a row cut off mid-write is run again
+    assert not out.exists()
+
+    ran = []
+    monkeypatch.setattr(coverage, "_run_isolated", lambda t, *args: ran.append(t) or {"model_type": t, "status": "rewritten"})
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["coverage", "--resume", "--head-dim", "8", "--json", str(matrix), "--output", str(out), *types])
+    assert exit_.value.code == 2
+    assert "were checked with {'head_dim': 32, 'routes': False}, not {'head_dim': 8" in capsys.readouterr().err
+    assert ran == []
+
+    cli.main(["coverage", "--resume", "--json", str(matrix), "--output", str(out), *types])
+    assert sorted(ran) == sorted(set(types) - kept)
+    assert sorted(r["model_type"] for r in json.loads(matrix.read_text())["rows"]) == types
+    assert "**4 of 4**" in out.read_text()
+    assert not rows_file.exists()
+    with pytest.raises(SystemExit):
+        cli.main(["coverage", "--resume", "--output", str(out), "gpt2"])
+    assert "found no rows of an interrupted run" in capsys.readouterr().err
+
+
 def test_routes_generate_int4_through_beam_search_a_padded_batch_and_a_static_cache():
     """What a user tries first on a compiled model, each route's cache checked for int4; a config
     that turns the cache off (MPT's does) still gets one, or there would be nothing to check."""
