@@ -400,6 +400,16 @@ def block_sums(token_nll: list[torch.Tensor], block: int) -> list[float]:
     return [round(part.sum().item(), 6) for part in torch.cat(token_nll, dim=1)[0].split(block)]
 
 
+def text_windows(tokens: torch.Tensor, ctx: int, n: int, prefix: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    """``n`` consecutive ``ctx``-token windows of ``tokens [N]`` from its start, each beginning with
+    ``prefix`` (which counts toward ``ctx``); None when the text is too short for them."""
+    body = ctx - (0 if prefix is None else len(prefix))
+    if n * body > len(tokens):
+        return None
+    parts = tokens[: n * body].split(body)
+    return list(parts) if prefix is None else [torch.cat([prefix, part]) for part in parts]
+
+
 def prompts_from(tokens: torch.Tensor, skip: int, n: int, length: int) -> torch.Tensor:
     """``n`` consecutive ``length``-token prompts from ``tokens [N]`` after the first ``skip``.
 
@@ -426,6 +436,8 @@ class Settings:
     prompt_tokens: int = 512
     new_tokens: int = 32
     greedy: bool = True
+    # Windows of each context scored from an empty cache and pooled: more tokens, smaller error bars.
+    windows: int = 1
 
 
 def evaluate(
@@ -466,7 +478,8 @@ def evaluate(
         for text_name, tokens in texts.items():
             agree, agreed, greedy_s, failure_g, divergence_margins = None, None, None, None, None
             if settings.greedy and runner is not None and failure is None:
-                prompts = prompts_from(tokens, max(settings.contexts), settings.prompts, settings.prompt_tokens)
+                skip = max(settings.contexts) * settings.windows  # prompts follow the scored text
+                prompts = prompts_from(tokens, skip, settings.prompts, settings.prompt_tokens)
                 if prefix is not None:
                     prompts = torch.cat([prefix.expand(len(prompts), -1), prompts], dim=1)
                 t0 = time.perf_counter()
@@ -492,17 +505,21 @@ def evaluate(
                 if failure is not None:
                     row["error"] = _reason(failure)
                 else:
-                    stream = tokens if prefix is None else torch.cat([prefix, tokens])
-                    if len(stream) < ctx:
-                        row["error"] = f"text has only {len(stream)} tokens"
+                    windows = text_windows(tokens, ctx, settings.windows, prefix)
+                    if windows is None:
+                        row["error"] = f"text has only {len(tokens)} tokens, fewer than {settings.windows} window(s) of {ctx}"
                     else:
                         t0 = time.perf_counter()
                         try:
-                            predictions, token_nll = [], []
-                            nll, count, cache = streaming_nll(
-                                runner, stream[None, :ctx], settings.chunk, progress, f"{method.name} {text_name} {ctx}",
-                                predictions, token_nll,
-                            )  # fmt: skip
+                            nll, count, predictions, blocks = 0.0, 0, [], []
+                            for w, window in enumerate(windows):
+                                token_nll = []
+                                desc = f"{method.name} {text_name} {ctx}" + (f" window {w + 1}/{len(windows)}" if len(windows) > 1 else "")
+                                window_nll, window_count, cache = streaming_nll(
+                                    runner, window[None], settings.chunk, progress, desc, predictions, token_nll
+                                )  # fmt: skip
+                                nll, count = nll + window_nll, count + window_count
+                                blocks += block_sums(token_nll, NLL_BLOCK)
                             ppl = math.exp(nll / count)
                             row.update(ppl=ppl, nll=nll / count, scored=count,
                                        kv_bytes_per_token=cache_bytes(cache) / ctx)  # fmt: skip
@@ -513,7 +530,7 @@ def evaluate(
                             row["delta_pct"] = None if base is None else 100 * (ppl / base - 1)
                             reference = baseline_predictions.get((text_name, ctx))
                             row["top1_match"] = None if reference is None else top1_match(predictions, reference)
-                            row["nll_blocks"] = block_sums(token_nll, NLL_BLOCK)
+                            row["nll_blocks"] = blocks
                             if method.kind == "fp":
                                 baseline_blocks[(text_name, ctx)] = row["nll_blocks"]
                             elif (text_name, ctx) in baseline_blocks:
@@ -599,6 +616,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
     parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
     parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
+    parser.add_argument("--windows", type=int, default=1,
+                        help="score this many consecutive windows of each context, each from an empty cache, pooled (default 1)")
     parser.add_argument("--prompts", type=int, default=8, help="greedy prompts (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per greedy prompt (default 512)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
@@ -636,14 +655,16 @@ def run(args) -> int:
     methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
     settings = Settings(
         contexts=tuple(int(c) for c in args.contexts.split(",")), chunk=args.chunk, prompts=args.prompts,
-        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy,
+        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy, windows=args.windows,
     )  # fmt: skip
+    if settings.windows < 1:
+        raise ValueError(f"--windows must be 1 or more, got {settings.windows}")
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     limit = model.config.max_position_embeddings
     if max(settings.contexts) > limit:
         raise SystemExit(f"context {max(settings.contexts)} exceeds the model's {limit} positions")
-    needed = max(settings.contexts) + settings.prompts * settings.prompt_tokens
+    needed = max(settings.contexts) * settings.windows + settings.prompts * settings.prompt_tokens
     sources = {name: (lambda n=name: text_data.load(n)) for name in args.texts.split(",") if name.strip()}
     for path in args.text_file:
         sources[Path(path).name] = lambda p=path: text_data.from_file(p)
@@ -677,7 +698,7 @@ def run(args) -> int:
     info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(format_table(rows))
-    print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)}, chunk {settings.chunk}; "
+    print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)} x {settings.windows} window(s), chunk {settings.chunk}; "
           f"greedy: {settings.prompts} prompts x {settings.new_tokens} tokens after {settings.prompt_tokens}-token prompts; "
           f"{info['elapsed_s']:.0f} s")  # fmt: skip
     if args.markdown:
@@ -687,7 +708,8 @@ def run(args) -> int:
             f"Command: `{info['command']}`", "",
             f"Model: {info['model']}, {args.dtype}. Machine: {m['cores']} CPU threads, Python {m['python']}, "
             f"torch {m['torch']}, transformers {m['transformers']}, {m['date']}. Total time {info['elapsed_s']:.0f} s.", "",
-            f"Streaming perplexity: chunk {settings.chunk}, scored tokens after the first chunk. Greedy agreement: "
+            f"Streaming perplexity: chunk {settings.chunk}, {settings.windows} window(s) per context, scored tokens after "
+            f"each window's first chunk. Greedy agreement: "
             f"{settings.prompts} prompts of {settings.prompt_tokens} tokens x {settings.new_tokens} new tokens.", "",
             format_table(rows, markdown=True), "",
             "Schemes: " + "; ".join(f"`{k}` = {v}" for k, v in info["methods"].items()),

@@ -148,6 +148,29 @@ def test_prefix_starts_every_stream_and_prompt(model, monkeypatch):
     assert rows[0]["scored"] == 64
 
 
+def test_windows_pool_consecutive_streams_each_from_an_empty_cache(model, monkeypatch):
+    seen = []
+    real_nll, real_greedy = kv_eval.streaming_nll, kv_eval.greedy
+    monkeypatch.setattr(kv_eval, "streaming_nll", lambda runner, ids, *a, **k: seen.append(ids) or real_nll(runner, ids, *a, **k))
+    monkeypatch.setattr(kv_eval, "greedy", lambda runner, prompts, *a, **k: seen.append(prompts) or real_greedy(runner, prompts, *a, **k))
+    tokens = _tokens(400, seed=5)
+    settings = kv_eval.Settings(contexts=(96,), chunk=32, prompts=1, prompt_tokens=40, new_tokens=2, windows=3)
+    (row,) = kv_eval.evaluate(model, {"t": tokens}, [kv_eval.parse_method("fp")], settings, prefix=torch.tensor([1]))
+    prompts, *streams = seen
+    assert [s[0, 0].item() for s in streams] == [1, 1, 1]
+    assert torch.equal(torch.cat([s[0, 1:] for s in streams]), tokens[: 3 * 95])  # consecutive, none skipped
+    assert torch.equal(prompts[0, 1:], tokens[3 * 96 : 3 * 96 + 40])  # greedy prompts follow the scored text
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    parts = [kv_eval.streaming_nll(runner, s, 32)[:2] for s in streams]
+    assert row["scored"] == 3 * 64 == sum(n for _, n in parts)
+    assert row["nll"] == pytest.approx(sum(nll for nll, _ in parts) / row["scored"], rel=1e-9)
+    assert len(row["nll_blocks"]) == 3  # one 64-token block per window: none straddles two streams
+
+    settings = dataclasses.replace(settings, windows=5, greedy=False)
+    (short,) = kv_eval.evaluate(model, {"t": tokens}, [kv_eval.parse_method("fp")], settings, prefix=torch.tensor([1]))
+    assert short["error"] == "text has only 400 tokens, fewer than 5 window(s) of 96"
+
+
 def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token", v_group=128,
