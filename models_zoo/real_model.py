@@ -13,7 +13,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import (
@@ -102,13 +104,27 @@ def _convert_gguf(gguf: Path, cache: Path, dtype: torch.dtype) -> tuple[PreTrain
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    # Write to a temporary sibling and rename, so an interrupted save never looks complete.
-    partial = cache.with_name(cache.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    if cache.exists():
-        # A directory without config.json is an earlier incomplete copy.
-        shutil.rmtree(cache)
-    partial.rename(cache)
+    _save_into_place(cache, lambda directory: (model.save_pretrained(directory), tokenizer.save_pretrained(directory)))
     return model.to(dtype).eval(), tokenizer
+
+
+def _save_into_place(cache: Path, save: Callable[[Path], object]) -> None:
+    """``save(directory)`` into a fresh temporary sibling of ``cache``, renamed to ``cache``: an
+    interrupted save never looks complete, and processes converting at once (evals started side by
+    side) never write into one directory. The first to finish wins; the others' copies, the same
+    conversion, are dropped."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=cache.name + ".", suffix=".partial", dir=cache.parent))
+    try:
+        save(partial)
+        if not (cache / "config.json").is_file():
+            if cache.exists():
+                # A directory without config.json is an earlier incomplete copy.
+                shutil.rmtree(cache, ignore_errors=True)
+            try:
+                partial.rename(cache)
+            except OSError:
+                if not (cache / "config.json").is_file():
+                    raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)

@@ -128,6 +128,40 @@ def test_load_model_reads_a_saved_directory(tmp_path):
     assert len(tokenizer) == 32
 
 
+def test_conversions_running_at_once_each_finish_with_one_complete_copy(tmp_path):
+    # Evals started side by side convert the GGUF at the same time; one temporary directory for
+    # both made the first rename pull it from under the second's save.
+    import threading
+    import time
+
+    cache = tmp_path / "model"
+    both_saving = threading.Barrier(2)
+    errors = []
+
+    def save(directory):
+        name = threading.current_thread().name
+        (directory / "model.safetensors").write_text(name)
+        both_saving.wait(timeout=10)
+        if name == "converter 1":  # still saving when the other one is done
+            time.sleep(0.2)
+        (directory / "config.json").write_text(name)
+
+    def convert():
+        try:
+            real_model._save_into_place(cache, save)
+        except Exception as error:  # noqa: BLE001 - the test reports what each thread raised
+            errors.append(error)
+
+    threads = [threading.Thread(target=convert, name=f"converter {i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert (cache / "config.json").read_text() == (cache / "model.safetensors").read_text() == "converter 0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
 @needs_smollm2
 def test_gguf_file_located_without_importing_package():
     import sys
