@@ -18,7 +18,8 @@ Protocol (see ``docs/eval.md``):
 * **Error bars.** Rows keep each prompt's agreed tokens (``agreed_tokens``) and the summed
   negative log-likelihood of every 64 scored tokens (``nll_blocks``). Methods read the same
   tokens, so block differences against ``fp`` give the perplexity change a standard error
-  (``delta_pct_se``, blocks taken as independent), and any two rows can be compared the same way.
+  (``delta_pct_se``, blocks taken as independent), and any two rows can be compared the same way
+  (``--against METHOD``: ``delta_vs_pct``, ``delta_vs_se``).
 * **Near-ties.** The ``fp`` row keeps its top-1 minus top-2 logit at every greedy step
   (``greedy_margins``), and every row that margin at each prompt's first divergence
   (``fp_margin_at_divergence``): how close to a tie the pick was that a method flipped.
@@ -394,6 +395,20 @@ def paired_delta_se(blocks: list[float], base_blocks: list[float], scored: int) 
     return 100 * math.exp(diffs.sum().item() / scored) * se_sum / scored
 
 
+def compare_with(rows: list[dict], against: str) -> None:
+    """Gives every other row with a perplexity the paired change against method ``against``'s row of
+    its text and context (the same tokens): ``vs``, ``delta_vs_pct`` and its standard error
+    ``delta_vs_se``. Two quantized schemes differ by less than either differs from ``fp``, and
+    their errors are correlated; only a paired comparison tells such a difference from noise."""
+    base = {(r["text"], r["ctx"]): r for r in rows if r["method"] == against and "nll" in r}
+    for row in rows:
+        other = base.get((row["text"], row["ctx"]))
+        if other is None or other is row or "nll" not in row:
+            continue
+        row.update(vs=against, delta_vs_pct=100 * math.expm1(row["nll"] - other["nll"]),
+                   delta_vs_se=paired_delta_se(row["nll_blocks"], other["nll_blocks"], row["scored"]))  # fmt: skip
+
+
 def block_sums(token_nll: list[torch.Tensor], block: int) -> list[float]:
     """Summed negative log-likelihood of each ``block`` consecutive scored tokens (the last block
     may be shorter), from :func:`streaming_nll`'s ``token_nll`` of one sequence."""
@@ -566,12 +581,13 @@ def _reason(exc: BaseException) -> str:
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ["method", "text", "ctx", "ppl", "delta vs fp", "top-1 match", "greedy agreement", "KV bytes/token",
-              "time (s)"]  # fmt: skip
+    against = next((r["vs"] for r in rows if "vs" in r), None)
+    header = ["method", "text", "ctx", "ppl", "delta vs fp", *([f"vs {against}"] if against else []), "top-1 match",
+              "greedy agreement", "KV bytes/token", "time (s)"]  # fmt: skip
     lines = []
     for r in rows:
         if "error" in r and "ppl" not in r:
-            cells = [r["method"], r["text"], str(r["ctx"]), r["error"], "", "", "", "", ""]
+            cells = [r["method"], r["text"], str(r["ctx"]), r["error"], *[""] * (len(header) - 4)]
         else:
             delta, se = r.get("delta_pct"), r.get("delta_pct_se")
             agree = r.get("agreement")
@@ -579,13 +595,18 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
             secs = (r.get("ppl_s") or 0) + (r.get("greedy_s") or 0)
             cells = [
                 r["method"], r["text"], str(r["ctx"]), f"{r['ppl']:.4f}",
-                "" if delta is None else f"{delta:+.2f}%" + ("" if se is None else f" ± {se:.2f}"),
+                _change(delta, se),
+                *([_change(r.get("delta_vs_pct"), r.get("delta_vs_se"))] if against else []),
                 "" if top1 is None else f"{top1:.3f}",
                 r.get("greedy_error", "") if agree is None else f"{agree:.3f}",
                 f"{r['kv_bytes_per_token']:,.0f}", f"{secs:.0f}",
             ]  # fmt: skip
         lines.append(cells)
     return render_table(header, lines, markdown)
+
+
+def _change(delta: float | None, se: float | None) -> str:
+    return "" if delta is None else f"{delta:+.2f}%" + ("" if se is None else f" ± {se:.2f}")
 
 
 def machine() -> dict:
@@ -618,6 +639,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
     parser.add_argument("--windows", type=int, default=1,
                         help="score this many consecutive windows of each context, each from an empty cache, pooled (default 1)")
+    parser.add_argument("--against", metavar="METHOD",
+                        help="also give every row's perplexity change against this method (one of --methods), paired "
+                             "block by block over the same tokens, with its standard error")
     parser.add_argument("--prompts", type=int, default=8, help="greedy prompts (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per greedy prompt (default 512)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
@@ -659,6 +683,8 @@ def run(args) -> int:
     )  # fmt: skip
     if settings.windows < 1:
         raise ValueError(f"--windows must be 1 or more, got {settings.windows}")
+    if args.against is not None and args.against not in [m.name for m in methods]:
+        raise ValueError(f"--against {args.against!r} is not among --methods {[m.name for m in methods]}")
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     limit = model.config.max_position_embeddings
@@ -695,6 +721,8 @@ def run(args) -> int:
             Path(args.json).write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
 
     evaluate(model, texts, methods, settings, progress=not args.no_progress, on_row=save, prefix=prefix)
+    if args.against is not None:
+        compare_with(rows, args.against)
     info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(format_table(rows))

@@ -37,6 +37,8 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["estimate", "--model", "lfm2", "--k-layer-bits", "0:8"],
          r"error: k_layer_bits: 0 is not the index of a KV layer of models_zoo:lfm2; those are 1"),
         (["eval", "--windows", "0"], r"kvpass eval: error: --windows must be 1 or more, got 0"),
+        (["eval", "--methods", "fp,kv4", "--against", "int8"],
+         r"kvpass eval: error: --against 'int8' is not among --methods \['fp', 'kv4'\]"),
     ]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

@@ -105,6 +105,25 @@ def test_paired_standard_error_of_a_perplexity_change():
     assert kv_eval.paired_delta_se([1.0], [1.0], 64) is None
 
 
+def test_rows_compare_with_another_method_block_by_block():
+    def row(method, text, blocks):
+        return dict(method=method, text=text, ctx=128, ppl=math.exp(sum(blocks) / 128), nll=sum(blocks) / 128,
+                    scored=128, nll_blocks=blocks, kv_bytes_per_token=1.0)  # fmt: skip
+
+    rows = [row("fp", "a", [100.0, 90.0]), row("x", "a", [101.0, 92.0]), row("y", "a", [102.0, 91.0]),
+            row("y", "b", [50.0, 60.0]), {"method": "x", "text": "b", "ctx": 128, "error": "not run: ..."}]  # fmt: skip
+    kv_eval.compare_with(rows, "y")
+    fp, x, y, y_b, x_b = rows
+    assert x["vs"] == fp["vs"] == "y" and "vs" not in y and "vs" not in y_b and "vs" not in x_b
+    assert x["delta_vs_pct"] == pytest.approx(100 * (x["ppl"] / y["ppl"] - 1))  # 193 vs 193 NLL: no change
+    assert x["delta_vs_pct"] == pytest.approx(0.0, abs=1e-12)
+    assert x["delta_vs_se"] == kv_eval.paired_delta_se([101.0, 92.0], [102.0, 91.0], 128) > 0
+    assert fp["delta_vs_pct"] == pytest.approx(100 * math.expm1(-3 / 128))
+    table = kv_eval.format_table(rows)
+    assert "vs y" in table.splitlines()[0] and "-2.32% ±" in table
+    assert "delta vs fp  top-1 match" in kv_eval.format_table([row("fp", "a", [1.0])]).splitlines()[0]
+
+
 def test_evaluate_grid_rows(model):
     texts = {"synthetic": _tokens(300, seed=3)}
     settings = kv_eval.Settings(contexts=(160,), chunk=32, prompts=2, prompt_tokens=40, new_tokens=4)
