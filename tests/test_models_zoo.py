@@ -143,7 +143,9 @@ def test_conversions_running_at_once_each_finish_with_one_complete_copy(tmp_path
         (directory / "model.safetensors").write_text(name)
         both_saving.wait(timeout=10)
         if name == "converter 1":  # still saving when the other one is done
-            time.sleep(0.2)
+            deadline = time.monotonic() + 10
+            while not (cache / "config.json").is_file() and time.monotonic() < deadline:
+                time.sleep(0.01)
         (directory / "config.json").write_text(name)
 
     def convert():
