@@ -16,7 +16,8 @@ until a sliding window evicts them, the offset fixed by a layer's first update.
 
 A query-scaled K spec (``QuantSpec.query_scaled``) takes its scales from the queries of a
 layer's first update, which reach attention, never the cache: run the model inside
-:func:`observed_queries`, which hands each attention call's queries to the layer just updated.
+:func:`observed_queries`, which hands each attention call's queries to the layer just updated
+(and, where a deferred K prefix is fixed with a past, the keys to read in place of the exact ones).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
-from kvpass.config import WINDOW_BLOCK, QuantSpec
+from kvpass.config import PREFIX_MIN_TOKENS, WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
     bits_per_value, by_query_scales, center_offset, fixed_or_none, query_key_scales, quantize_dequantize,
 )  # fmt: skip
@@ -86,24 +87,23 @@ class FpTokens:
         return total / (stored * 4 * head_dim)
 
 
-def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
+def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, state, key_states, value_states,
+                      *args, **kwargs):  # fmt: skip
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
     ``state`` (a dict per layer) counts the tokens seen and holds the sinks, offset and query scales
     each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec, unscaled
         k_spec = v_spec = None if k_spec is None else dataclasses.replace(k_spec, query_scaled=False)
+        defer_k_prefix = False  # V's reads would need K's prefix before it is fixed
     k_spec, v_spec = (
         None if spec is None else spec.for_head_dim(x.shape[-1])
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
     )
-    if not state:  # the first update fixes the specs' sinks and offsets, as kv4's first append does
-        # K's sinks and offset are of k * s when it takes query scales, so they wait for the scales.
-        waits = k_spec is not None and k_spec.takes_query_scales(key_states.shape[2])
-        state.update(seen=0, prefixes=[(0, None) if waits else _prefix(key_states, k_spec), _prefix(value_states, v_spec)])
-        if waits:
-            state.update(k_spec=k_spec, first_keys=key_states)
-            if _awaiting_queries is not None:
-                _awaiting_queries.append(state)
+    first_update = not state
+    if first_update:
+        state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)])
+        if defer_k_prefix and k_spec is not None and (k_spec.sinks or k_spec.center or k_spec.query_scaled):
+            state["queries"] = []  # K waits, exact, for PREFIX_MIN_TOKENS tokens; their queries are kept
     elif "first_keys" in state:
         raise QueriesNotObserved(
             f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
@@ -114,21 +114,45 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     past = full_k.shape[2] - key_states.shape[2]
     evicted = state["seen"] - full_k.shape[2]  # tokens a sliding window dropped from the front
     # The past as the cache stored it after the previous step; the new tokens are exact.
-    start, stop = fp_tokens.quantized(past)
+    where = (*fp_tokens.quantized(past), evicted, past)
+    read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where)
+    if "queries" in state:
+        if full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact, its queries collected
+            _await_queries(state)
+            return full_k, read_v
+        # The first update that brings the layer to PREFIX_MIN_TOKENS tokens fixes the prefix from all
+        # of them, as a first append of them would; its attention reads the past quantized with it.
+        first_keys, first_tokens = full_k, full_k.shape[2]
+    elif first_update:
+        first_keys, first_tokens = key_states, key_states.shape[2]
+    if "queries" in state or first_update:
+        if k_spec is not None and k_spec.takes_query_scales(first_tokens):
+            # K's sinks and offset are of k * s, so they wait for the scales.
+            state.update(k_spec=k_spec, first_keys=first_keys, reread=(full_k, where))
+            _await_queries(state)
+            return full_k, read_v  # the attention call reads K as the scales fixed it (_take_queries)
+        state.pop("queries", None)
+        state["prefixes"][0] = _prefix(first_keys, k_spec)
+    return _read(full_k, k_spec, state["prefixes"][0], state.get("query_scales"), *where), read_v
 
-    def read(full, spec, prefix, query_scales=None):
-        sinks, offset = prefix
-        held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
-        first = max(start, held)
-        if spec is None or stop <= first:
-            return full
-        # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens: of k * s, read as k.
-        stored = by_query_scales(full[:, :, first - held : stop], query_scales, 1)
-        stored = by_query_scales(quantize_dequantize(stored, spec, offset, sinks=held), query_scales, -1)
-        return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
 
-    k_prefix, v_prefix = state["prefixes"]
-    return read(full_k, k_spec, k_prefix, state.get("query_scales")), read(full_v, v_spec, v_prefix)
+def _read(full, spec, prefix, query_scales, start, stop, evicted, past):
+    """``full`` (a layer's tokens) with its tokens ``[start, stop)`` (and the spec's sinks) as the
+    cache stored them after the previous step, quantized with ``prefix``, ``(sinks, offset)``."""
+    sinks, offset = prefix
+    held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
+    first = max(start, held)
+    if spec is None or stop <= first:
+        return full
+    # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens: of k * s, read as k.
+    stored = by_query_scales(full[:, :, first - held : stop], query_scales, 1)
+    stored = by_query_scales(quantize_dequantize(stored, spec, offset, sinks=held), query_scales, -1)
+    return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
+
+
+def _await_queries(state: dict) -> None:
+    if _awaiting_queries is not None:
+        _awaiting_queries.append(state)
 
 
 def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Tensor | None]:
@@ -137,9 +161,15 @@ def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Ten
     return sinks, center_offset(first, spec) if takes_offset else None
 
 
-def _take_queries(state: dict, query: torch.Tensor):
-    """Fix a layer's query scales from the queries of its first update, and K's sinks and offset with them."""
+def _take_queries(state: dict, query: torch.Tensor) -> torch.Tensor | None:
+    """Hand a layer the queries of its latest update: kept while its K prefix waits (``queries``),
+    else they fix its query scales, and K's sinks and offset with them. Returns K for the attention
+    call to read instead of the exact one the update returned, when the update had a past."""
+    if "first_keys" not in state:
+        state["queries"].append(query)
+        return None
     first = state.pop("first_keys")
+    query = torch.cat([*state.pop("queries", ()), query], 2)
     (B, kv_heads, T, D), (qB, heads, qT, qD) = first.shape, query.shape
     if (qB, qT, qD) != (B, T, D) or heads % kv_heads:
         raise ValueError(
@@ -147,7 +177,12 @@ def _take_queries(state: dict, query: torch.Tensor):
             "tokens and head_dim, and query heads a multiple of the KV heads"
         )
     state["query_scales"] = query_key_scales(query, first)
-    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), state.pop("k_spec"))
+    k_spec = state.pop("k_spec")
+    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), k_spec)
+    full_k, where = state.pop("reread")
+    if not where[-1]:  # no past: the update's exact K is what kv4 reads too
+        return None
+    return _read(full_k, k_spec, state["prefixes"][0], state["query_scales"], *where)
 
 
 def _observing(attention):
@@ -161,7 +196,14 @@ def _observing(attention):
             # The latest update's layer is this call's; an older one missed its queries, and says so.
             state = _awaiting_queries.pop()
             _awaiting_queries.clear()
-            _take_queries(state, query)
+            key = _take_queries(state, query)
+            if key is not None:
+                if not args or getattr(args[0], "shape", None) != key.shape:
+                    raise ValueError(
+                        f"{type(module).__name__} attends over keys other than its cache update's "
+                        f"{tuple(key.shape)}: the twin cannot defer its K prefix past the first update"
+                    )
+                args = (key, *args[1:])
         return attention(module, query, *args, **kwargs)
 
     observed.observes_queries = True
@@ -190,11 +232,16 @@ def observed_queries():
 
 class SimulatedKVCache(DynamicCache):
     """``k_spec``/``v_spec``: how K/V are stored (None: exact); ``layers``: the indices of the cache
-    layers simulated (default: every attention layer), the others exact."""
+    layers simulated (default: every attention layer), the others exact.
+
+    ``defer_k_prefix`` (a scheme kv4 does not have yet, ``docs/design.md``, "Short prompts"): K's
+    sinks, offset and query scales wait for the update that brings a layer to ``PREFIX_MIN_TOKENS``
+    tokens, which fixes them from all its tokens (and their queries) as a first append of them would;
+    until then K is read exact. A sliding window shorter than that keeps K exact for good."""
 
     def __init__(
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
-        layers: Collection[int] | None = None,
+        layers: Collection[int] | None = None, defer_k_prefix: bool = False,
     ):  # fmt: skip
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
@@ -205,7 +252,9 @@ class SimulatedKVCache(DynamicCache):
             fp_tokens = FpTokens(window=window, flush=WINDOW_BLOCK) if window else FpTokens()
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
-                layer.update = functools.partial(_simulated_update, layer.update, k_spec, v_spec, fp_tokens, {})
+                layer.update = functools.partial(
+                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, defer_k_prefix, {}
+                )
 
 
 def _rounded_update(base_update, dtype, key_states, value_states, *args, **kwargs):

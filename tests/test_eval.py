@@ -353,6 +353,81 @@ def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
         torch.testing.assert_close(read_k[:, :, :tokens], packed.dequantize(), rtol=0, atol=1e-5)
 
 
+def test_deferred_k_prefix_reads_k_exact_until_64_tokens_then_as_kv4_stores_them_all_at_once(model):
+    """``-kd``: K exact while a layer holds under 64 tokens; the update that reaches 64 fixes sinks and
+    offset from all of them, so K reads as kv4 stores one first append of those tokens. V is as
+    without it."""
+    from kvpass.packed import PackedKV
+    from kvpass.simulate import SimulatedKVCache
+
+    method = kv_eval.parse_method("sim-kv4-rot-mse-ks4-kc-kd")
+    k_spec, v_spec = method.specs
+    assert method.defer_k_prefix and not k_spec.query_scaled  # this one needs no queries
+    deferred = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens, defer_k_prefix=True).layers[0]
+    plain = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    g = torch.Generator().manual_seed(2)
+    shared = 8 * torch.randn(1, 2, 1, 64, generator=g)
+    ks, vs = [], []
+    for step in (40, 20, 10, 3):  # 60 tokens held, then 70: the third update fixes the prefix
+        ks.append(shared + torch.randn(1, 2, step, 64, generator=g))
+        vs.append(torch.randn(1, 2, step, 64, generator=g))
+        read_k, read_v = deferred.update(ks[-1], vs[-1])
+        assert torch.equal(read_v, plain.update(ks[-1], vs[-1])[1])
+        full = torch.cat(ks, 2)
+        past = full.shape[2] - step
+        assert torch.equal(read_k[:, :, past:], ks[-1])  # new tokens: exact
+        if full.shape[2] < 64:
+            assert torch.equal(read_k, full)
+            continue
+        first = full[:, :, :70]  # all the tokens held when the prefix was fixed
+        stored = PackedKV.from_float(first, k_spec)
+        assert stored.n_head == 4 and stored.offset.shape[2] == 1
+        torch.testing.assert_close(read_k[:, :, :past], stored.dequantize()[:, :, :past], rtol=0, atol=1e-5)
+        assert not torch.equal(read_k[:, :, 4:past], full[:, :, 4:past])
+
+
+@torch.no_grad()
+def test_deferred_k_prefix_takes_query_scales_from_every_query_it_waited_through():
+    """With query scales, the update that reaches 64 tokens fixes them from the queries of every
+    update so far; that update's attention reads the past scaled, centered and quantized as kv4
+    stores a first append of all the tokens with all their queries."""
+    from kvpass import simulate
+    from kvpass.packed import PackedKV
+    from kvpass.simulate import QueriesNotObserved, SimulatedKVCache, observed_queries
+
+    model = kv_heavy_llama(layers=1)
+    k_spec, v_spec = KVConfig().k, KVConfig().v
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, Hq, D = 1, model.config.num_key_value_heads, model.config.num_attention_heads, 64
+    keys = [torch.randn(B, Hkv, n, D, generator=g) for n in (40, 30)]
+    queries = [torch.randn(B, Hq, n, D, generator=g) * torch.linspace(0.2, 3, D) for n in (40, 30)]
+    seen = []
+    attend = simulate._observing(lambda module, query, key, value, *args: seen.append(key))
+    with observed_queries():
+        layer = SimulatedKVCache(model.config, k_spec, v_spec, defer_k_prefix=True).layers[0]
+        for k, q in zip(keys, queries):
+            read_k, read_v = layer.update(k, torch.randn(k.shape, generator=g))
+            attend(torch.nn.Identity(), q, read_k, read_v)
+    full = torch.cat(keys, 2)
+    assert torch.equal(seen[0], keys[0])  # 40 tokens: exact
+    stored = PackedKV.from_float(full, k_spec, query=torch.cat(queries, 2))
+    assert stored.query_scales.shape[2] == 1 and stored.n_head == 4
+    torch.testing.assert_close(seen[1][:, :, :40], stored.dequantize()[:, :, :40], rtol=0, atol=1e-5)
+    assert torch.equal(seen[1][:, :, 40:], keys[1])
+    # Outside observed_queries no attention hands the queries over, and the next update says so.
+    blind = SimulatedKVCache(model.config, k_spec, v_spec, defer_k_prefix=True).layers[0]
+    held = []
+    for k in keys:
+        held.append(k)
+        read_k, _ = blind.update(k, torch.randn(k.shape, generator=g))
+        assert torch.equal(read_k, torch.cat(held, 2))  # unobserved, the prefix is never fixed
+    with pytest.raises(QueriesNotObserved, match="observed_queries"):
+        blind.update(keys[1][:, :, :1], keys[1][:, :, :1] + 1)
+    # kvpass eval's sim-...-kd methods run a model so.
+    ids = _tokens(100)[None]
+    assert kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4-kd")), ids, 8) > 1
+
+
 @pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_rounded_cache_holds_16_bit_tensors_and_reads_them_back(model, name, dtype):
     """``fp16`` / ``bf16``: the float32 model's K and V stored in 16 bits (half the bytes), read back
