@@ -116,17 +116,16 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, st
     # The past as the cache stored it after the previous step; the new tokens are exact.
     where = (*fp_tokens.quantized(past), evicted, past)
     read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where)
-    if "queries" in state:
-        if full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact, its queries collected
-            _await_queries(state)
-            return full_k, read_v
-        # The first update that brings the layer to PREFIX_MIN_TOKENS tokens fixes the prefix from all
-        # of them, as a first append of them would; its attention reads the past quantized with it.
-        first_keys, first_tokens = full_k, full_k.shape[2]
-    elif first_update:
-        first_keys, first_tokens = key_states, key_states.shape[2]
-    if "queries" in state or first_update:
-        if k_spec is not None and k_spec.takes_query_scales(first_tokens):
+    deferred = "queries" in state
+    if deferred and full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact, its queries collected
+        _await_queries(state)
+        return full_k, read_v
+    if deferred or first_update:
+        # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
+        # brings the layer to PREFIX_MIN_TOKENS, from all of them, as a first append of them would, and
+        # that update's attention reads the past quantized with it.
+        first_keys = full_k if deferred else key_states
+        if k_spec is not None and k_spec.takes_query_scales(first_keys.shape[2]):
             # K's sinks and offset are of k * s, so they wait for the scales.
             state.update(k_spec=k_spec, first_keys=first_keys, reread=(full_k, where))
             _await_queries(state)

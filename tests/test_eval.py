@@ -384,6 +384,11 @@ def test_deferred_k_prefix_reads_k_exact_until_64_tokens_then_as_kv4_stores_them
         assert stored.n_head == 4 and stored.offset.shape[2] == 1
         torch.testing.assert_close(read_k[:, :, :past], stored.dequantize()[:, :, :past], rtol=0, atol=1e-5)
         assert not torch.equal(read_k[:, :, 4:past], full[:, :, 4:past])
+    # A first update of 64 tokens or more has nothing to wait for: the layer reads as without -kd.
+    long_first = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens, defer_k_prefix=True).layers[0]
+    plain = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    for k, v in ((full[:, :, :70], torch.randn(1, 2, 70, 64, generator=g)), (full[:, :, 70:], vs[-1])):
+        assert all(torch.equal(a, b) for a, b in zip(long_first.update(k, v), plain.update(k, v)))
 
 
 @torch.no_grad()
