@@ -103,7 +103,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, st
     if first_update:
         state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)])
         if defer_k_prefix and k_spec is not None and (k_spec.sinks or k_spec.center or k_spec.query_scaled):
-            state["queries"] = []  # K waits, exact, for PREFIX_MIN_TOKENS tokens; their queries are kept
+            state["queries"] = []  # K waits, exact, for PREFIX_MIN_TOKENS tokens (and their queries)
     elif "first_keys" in state:
         raise QueriesNotObserved(
             f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
@@ -117,8 +117,9 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, st
     where = (*fp_tokens.quantized(past), evicted, past)
     read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where)
     deferred = "queries" in state
-    if deferred and full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact, its queries collected
-        _await_queries(state)
+    if deferred and full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact
+        if k_spec.query_scaled:  # the scales will need every query so far
+            _await_queries(state)
         return full_k, read_v
     if deferred or first_update:
         # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
