@@ -142,6 +142,7 @@ def kv4(
     k_center: bool | None = None,
     v_center: bool | None = None,
     k_query_scaled: bool | None = None,
+    k_defer_prefix: bool = False,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -168,6 +169,9 @@ def kv4(
     ``k_query_scaled`` stores K times per-channel scales taken from a prompt's queries and keys,
     read with the query divided by them (per-token schemes without a window; static caches and
     prompts under 64 tokens keep none; ``QuantSpec.query_scaled``).
+    ``k_defer_prefix`` holds a cache's K unquantized (16 bits) until it holds 64 tokens, which then
+    fix K's sinks, offset and query scales as a prompt of 64 would (``QuantSpec.defer_prefix``): a
+    chat from a short prompt keeps all three, at the cost of 16-bit K in caches under 64 tokens.
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
@@ -194,6 +198,7 @@ def kv4(
         refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
         center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
         query_scaled=default(k_query_scaled, _DEFAULT.k.query_scaled, k_plain),
+        defer_prefix=k_defer_prefix,
     )
     config = KVConfig(
         k=k,

@@ -103,7 +103,11 @@ class QuantSpec:
     torch reference stores and reads it on every device.
 
     Sinks and offset come only from a first append of ``PREFIX_MIN_TOKENS`` (64) tokens or more;
-    one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`). A cache pays for
+    one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`).
+    ``defer_prefix=True`` (with sinks, an offset or query scales) holds a shorter first append's
+    tokens unquantized instead, in the residual, with their queries' energy, until the cache holds
+    ``PREFIX_MIN_TOKENS``: the append that brings it there quantizes all of them as one first append
+    (so a chat from a short prompt keeps all three). Until then K costs 16 bits a value. A cache pays for
     what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset; for
     one sink, 1 in groups under 64 channels, else none) for as long as it holds them or its offset,
     so from 128 tokens on a long prompt's cache stores no more than it would without them (a short
@@ -135,6 +139,8 @@ class QuantSpec:
     span_heads: bool = False
     # K times per-channel scales from the first append's queries (read with the query divided by them).
     query_scaled: bool = False
+    # Short first appends wait unquantized for PREFIX_MIN_TOKENS tokens, which fix sinks, offset and scales.
+    defer_prefix: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -169,6 +175,13 @@ class QuantSpec:
                 raise ValueError(
                     f"{name}={value} needs scheme='token' and window=0, got scheme={self.scheme!r}, window={self.window}"
                 )
+        if not isinstance(self.defer_prefix, bool):
+            raise ValueError(f"defer_prefix must be True or False, got {self.defer_prefix!r}")
+        if self.defer_prefix and not (self.sinks or self.center or self.query_scaled):
+            raise ValueError(
+                "defer_prefix=True needs sinks, center or query_scaled: it defers what a first append fixes, "
+                "and this spec takes nothing from one"
+            )
         if self.center and not self.symmetric:
             raise ValueError("center=True needs symmetric=True; an asymmetric grid's zero points already shift each group")
         if not isinstance(self.span_heads, bool):
@@ -186,7 +199,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:dp]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -200,11 +213,12 @@ class QuantSpec:
             + (":ctr" if self.center else "")
             + (":heads" if self.span_heads else "")
             + (":qs" if self.query_scaled else "")
+            + (":dp" if self.defer_prefix else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:dp]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -216,6 +230,7 @@ class QuantSpec:
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
                 sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags, query_scaled="qs" in flags,
+                defer_prefix="dp" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -245,7 +260,8 @@ class QuantSpec:
     def for_slots(self) -> QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
         is written, with no fp window, no second code plane, no fp sinks, no offset and no query scales."""
-        return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False, query_scaled=False)
+        return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False, query_scaled=False,
+                                   defer_prefix=False)  # fmt: skip
 
     def for_head_dim(self, head_dim: int) -> QuantSpec:
         """This spec for heads of ``head_dim`` channels: below ``MIN_EXTRAS_HEAD_DIM`` channels
@@ -254,7 +270,8 @@ class QuantSpec:
         if self.scheme != "token" or head_dim >= MIN_EXTRAS_HEAD_DIM:
             return self
         span_heads = self.span_heads or self.token_group(head_dim) < MIN_HEAD_GROUP
-        return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads, query_scaled=False)
+        return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads, query_scaled=False,
+                                   defer_prefix=False)  # fmt: skip
 
     def heads_per_group(self, heads: int, head_dim: int) -> int:
         """KV heads whose channels of one token form one group: 1, or with ``span_heads`` as many as
@@ -271,6 +288,16 @@ class QuantSpec:
         if first >= SHORT_PREFIX_MIN_TOKENS:
             return min(self.sinks, SHORT_PREFIX_SINKS), False
         return 0, False
+
+    @property
+    def gathers_queries(self) -> bool:
+        """Whether a waiting cache (``defer_prefix``) gathers its queries' energy for query scales."""
+        return self.defer_prefix and self.query_scaled
+
+    def waits(self, held: int) -> bool:
+        """Whether a cache of this spec holding ``held`` tokens, none quantized, keeps them unquantized
+        (``defer_prefix``) rather than quantizing them as a first append."""
+        return self.defer_prefix and held < PREFIX_MIN_TOKENS
 
     def takes_query_scales(self, first: int) -> bool:
         """Whether a first append of ``first`` tokens fixes query scales: as for the offset, from

@@ -45,8 +45,9 @@ Methods (``--methods``, comma separated):
   Simulation only (:class:`kvpass.simulate.FpTokens`): ``-wW`` keeps the newest W to W+63
   tokens unquantized (flushed 64 at a time), ``-sN`` keeps the first N tokens (attention
   sinks) of K and V unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
-  ``sim-kv4-rot-w64-s4``; ``-kd`` defers K's sinks, offset and query scales until a layer holds 64
-  tokens, K exact until then (``SimulatedKVCache(defer_k_prefix=True)``), e.g. ``sim-kv4-kd``.
+  ``sim-kv4-rot-w64-s4``.
+* ``-kd`` defers K's sinks, offset and query scales until a layer holds 64 tokens, K 16-bit
+  until then (``kvpass.kv4(k_defer_prefix=True)``), e.g. ``kv4-kd``.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -79,7 +80,7 @@ from typing import Callable
 
 import torch
 
-from kvpass.config import PREFIX_MIN_TOKENS, WINDOW_BLOCK, QuantSpec
+from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
 
@@ -109,7 +110,6 @@ class Method:
     backend_kwargs: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
     nbits: int = 4  # quanto only
     fp_tokens: FpTokens = FpTokens()  # sim only
-    defer_k_prefix: bool = False  # sim only
     store_dtype: torch.dtype | None = None  # rounded only
 
     @property
@@ -126,8 +126,7 @@ class Method:
             k, v = self.specs
             f = self.fp_tokens
             extra = "".join([f", first {f.sinks} fp" if f.sinks else "",
-                             f", newest {f.window}-{f.window + f.flush - 1} fp" if f.window else "",
-                             f", K prefix deferred to {PREFIX_MIN_TOKENS} tokens" if self.defer_k_prefix else ""])  # fmt: skip
+                             f", newest {f.window}-{f.window + f.flush - 1} fp" if f.window else ""])  # fmt: skip
             layers = self.backend_kwargs.get("k_layer_bits", {})
             for bits in sorted(set(layers.values())):
                 extra += f", K int{bits} in layers {', '.join(str(i) for i, b in layers.items() if b == bits)}"
@@ -163,9 +162,8 @@ def parse_method(name: str) -> Method:
             f"unknown method {name!r}: use fp, fp16, bf16, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -qs (K scaled by the queries), "
-            "-kB@L.L (K bits B in layers L), "
-            "and for sim- -sN (fp sinks) / "
-            "-fF (flush block) / -kd (K prefix deferred to 64 tokens) suffixes"
+            "-kB@L.L (K bits B in layers L), -kd (K prefix deferred to 64 tokens), "
+            "and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
     variant = m["variant"]
@@ -192,24 +190,23 @@ def parse_method(name: str) -> Method:
         kwargs["refine"] = int(m["refine"] or 0)
     window, sinks = int(m["window"] or 0), int(m["sinks"] or 0)
     fp_tokens = FpTokens(sinks, window, int(m["flush"] or DEFAULT_FLUSH) if window else 1)
-    if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK) or m["defer"]):
-        raise ValueError(
-            f"{name}: fp sinks (-s), other flush blocks (-f) and a deferred K prefix (-kd) exist only in simulation: "
-            f"use sim-{name}"
-        )
+    if not m["sim"] and (sinks or fp_tokens.flush not in (1, WINDOW_BLOCK)):
+        raise ValueError(f"{name}: fp sinks (-s) and other flush blocks (-f) exist only in simulation: use sim-{name}")
     if m["k_sinks"] or variant or m["base"] != "kv4":
         kwargs["k_sinks"] = int(m["k_sinks"] or 0)
     if m["k_center"] or variant or m["base"] != "kv4":
         kwargs["k_center"] = bool(m["k_center"])
     if m["query_scaled"] or variant or m["base"] != "kv4":
         kwargs["k_query_scaled"] = bool(m["query_scaled"])
+    if m["defer"]:
+        kwargs["k_defer_prefix"] = True
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")
         kwargs["k_layer_bits"] = {int(layer): int(m["layer_bits"]) for layer in m["layers"].split(".")}
     if window and not m["sim"]:
         kwargs["window"] = window  # kv4's own fp window (QuantSpec.window), flushed WINDOW_BLOCK at a time
-    method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens, defer_k_prefix=bool(m["defer"]))
+    method = Method(name, "sim" if m["sim"] else "kv4", kwargs, fp_tokens=fp_tokens)
     k, _ = method.specs  # validate now (group sizes, bits)
     if k.scheme == "channel" and window and fp_tokens.flush % k.group:
         raise ValueError(f"{name}: per-channel K groups of {k.group} tokens need a flush block that they divide")
@@ -236,9 +233,7 @@ class Runner:
 
             k, v = method.specs
             self.step = observing_queries(model)
-            self.new_cache = lambda: SimulatedKVCache(
-                model.config, k, v, method.fp_tokens, defer_k_prefix=method.defer_k_prefix
-            )
+            self.new_cache = lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
         elif method.kind == "rounded":
             from kvpass.simulate import RoundedKVCache
 

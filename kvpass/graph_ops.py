@@ -31,9 +31,10 @@ def kv4_pack(new: torch.Tensor, spec: str, query: torch.Tensor | None = None) ->
     return PackedKV.from_float(new, _spec(spec), query)
 
 
-def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str) -> PackedKV:
-    """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4."""
-    return _as_packed(past, _spec(spec)).append(new)
+def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str, query: torch.Tensor | None = None) -> PackedKV:
+    """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4; ``query``, the queries
+    reading ``new``, is gathered by a cache waiting for its prefix (``QuantSpec.defer_prefix``)."""
+    return _as_packed(past, _spec(spec)).append(new, query)
 
 
 def kv4_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, spec: str) -> PackedKV:

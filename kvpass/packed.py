@@ -68,7 +68,15 @@ class PackedKV(torch.Tensor):
     * ``query_scales`` (``spec.query_scaled`` only, else None): ``fp16 [B, H, 1, D]``, per-channel
       scales every token is multiplied by before anything else, and divided by on reading (the
       attention divides the query instead): :func:`kvpass.reference.query_key_scales` of the first
-      append and its queries; ``[B, H, 0, D]`` (none) when that append had no queries or was too short.
+      append and its queries; ``[B, H, 0, D]`` (none) when that append had no queries or was too short;
+    * ``query_energy`` (``spec.defer_prefix`` with ``spec.query_scaled`` only, else None): ``fp64
+      [B, H, 1, D]`` while the cache waits (below), the energy of the queries of the tokens it holds
+      (:func:`kvpass.reference.query_energy`), else ``[B, H, 0, D]``.
+
+    **Waiting** (``spec.defer_prefix``): until a cache holds ``PREFIX_MIN_TOKENS`` tokens it quantizes
+    none of them; they sit in ``residual`` (stored domain, as the kernels read it) and every other
+    part is empty. The append that brings it to that length quantizes all of them (the held ones
+    read back) as :meth:`from_float` quantizes one first append, with all their queries.
 
     All of them but ``query_scales`` live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
     Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them, which
@@ -95,11 +103,12 @@ class PackedKV(torch.Tensor):
     head: torch.Tensor | None
     offset: torch.Tensor | None
     query_scales: torch.Tensor | None
+    query_energy: torch.Tensor | None
     _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
     def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
-                query_scales=None):
+                query_scales=None, query_energy=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
             n_head = 0 if head is None else head.shape[2]
@@ -109,7 +118,7 @@ class PackedKV(torch.Tensor):
         )
 
     def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
-                 query_scales=None):
+                 query_scales=None, query_energy=None):
         if (fine is not None) != bool(spec.refine):
             raise ValueError(f"a spec with refine={spec.refine} needs {'a' if spec.refine else 'no'} second code plane")
         if (head is not None) != bool(spec.sinks):
@@ -118,6 +127,8 @@ class PackedKV(torch.Tensor):
             raise ValueError(f"a spec with center={spec.center} needs {'an' if spec.center else 'no'} offset")
         if (query_scales is not None) != spec.query_scaled:
             raise ValueError(f"a spec with query_scaled={spec.query_scaled} needs {'' if spec.query_scaled else 'no '}query scales")
+        if (query_energy is not None) != spec.gathers_queries:
+            raise ValueError(f"a spec {spec.tag} needs {'' if spec.gathers_queries else 'no '}query energy")
         self.codes = codes
         self.scales = scales
         self.residual = residual
@@ -126,6 +137,7 @@ class PackedKV(torch.Tensor):
         self.head = head
         self.offset = offset
         self.query_scales = query_scales
+        self.query_energy = query_energy
         self._rows = rows
 
     @classmethod
@@ -162,9 +174,24 @@ class PackedKV(torch.Tensor):
         )  # fmt: skip
 
     def append(self, new: torch.Tensor, query: torch.Tensor | None = None) -> PackedKV:
-        """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query``
-        (the queries of a first append) fixes a ``query_scaled`` spec's scales."""
-        query_scales, new = self._query_scaled(new, query)
+        """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
+        [B, Hq, T, D]`` (the queries reading them) fixes a ``query_scaled`` spec's scales in a first
+        append, and in every append while a ``defer_prefix`` cache waits."""
+        if query is not None and (query.shape[0] != new.shape[0] or query.shape[2] != new.shape[2]
+                                  or query.shape[1] % new.shape[1]):  # fmt: skip
+            raise ValueError(
+                f"queries {tuple(query.shape)} do not read the new tokens {tuple(new.shape)}: need the same batch "
+                "and tokens, and query heads a multiple of the KV heads"
+            )
+        if self._waiting:
+            return self._held_append(new, query)
+        energy = None if query is None else reference.query_energy(query, new.shape[1])
+        return self._quantized_append(new, energy)
+
+    def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None) -> PackedKV:
+        """:meth:`append` quantizing ``new``; ``q_energy`` (:func:`kvpass.reference.query_energy`) of
+        its queries fixes a first append's query scales."""
+        query_scales, new = self._query_scaled(new, q_energy)
         head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales)
@@ -179,12 +206,32 @@ class PackedKV(torch.Tensor):
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
-    def _query_scaled(self, new: torch.Tensor, query: torch.Tensor | None):
+    def _held_append(self, new: torch.Tensor, query: torch.Tensor | None) -> PackedKV:
+        """:meth:`append` while waiting: hold ``new`` unquantized, or with it reach ``PREFIX_MIN_TOKENS``
+        and quantize every token as one first append."""
+        held = self.residual.shape[2]
+        q_energy = None
+        # The queries of every held token, or none: scales from some of them would be another statistic.
+        if query is not None and (held == 0 or self.query_energy is not None and self.query_energy.shape[2]):
+            q_energy = reference.query_energy(query, new.shape[1], held)
+            if held:
+                q_energy = q_energy + self.query_energy
+        if self.spec.waits(held + new.shape[2]):
+            stored = ops.rotate(new) if self.spec.rotate else new
+            residual = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
+            parts = self._parts()
+            if self.spec.gathers_queries:
+                parts["query_energy"] = self.query_energy[:, :, :0] if q_energy is None else q_energy
+            return PackedKV(self.codes, self.scales, residual, self.spec, **parts)
+        tokens = torch.cat([self.dequantize(), new.to(self.dtype)], dim=2)
+        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy)
+
+    def _query_scaled(self, new: torch.Tensor, q_energy: torch.Tensor | None):
         """``(query_scales, new)``: a ``query_scaled`` spec's scales after this append (a first one
-        with its queries fixes them) and the new tokens times them."""
+        with its queries' energy fixes them) and the new tokens times them."""
         query_scales = self.query_scales
-        if self._is_empty and query is not None and self.spec.takes_query_scales(new.shape[2]):
-            query_scales = reference.query_key_scales(query, new)
+        if self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2]):
+            query_scales = reference.query_key_scales(q_energy, new)
         return query_scales, reference.by_query_scales(new, query_scales, 1)
 
     def _sinks_and_offset(self, new: torch.Tensor):
@@ -230,7 +277,7 @@ class PackedKV(torch.Tensor):
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
         (and ``fine``, ``head``, ``offset`` and ``query_scales`` as the new second code plane, sinks,
         offset and query scales)."""
-        parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales)
+        parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales, query_energy=self._no_energy)
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
             return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
@@ -252,6 +299,16 @@ class PackedKV(torch.Tensor):
         return reference.by_query_scales(stored, self.query_scales, -1)
 
     @property
+    def _no_energy(self) -> torch.Tensor | None:
+        """The query energy of a cache that no longer waits (None for a spec that never gathers it)."""
+        return None if self.query_energy is None else self.query_energy[:, :, :0]
+
+    @property
+    def _waiting(self) -> bool:
+        """A ``defer_prefix`` cache that has quantized nothing yet: its appends hold the tokens."""
+        return self.spec.defer_prefix and self._is_empty
+
+    @property
     def _is_empty(self) -> bool:
         """No token stored yet: the next append is the first, which fixes what a spec takes from it."""
         return not (self.codes.shape[2] or self.n_head)
@@ -263,7 +320,8 @@ class PackedKV(torch.Tensor):
 
     def _parts(self) -> dict:
         """The optional inner tensors, as the constructor takes them."""
-        return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset, query_scales=self.query_scales)
+        return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset, query_scales=self.query_scales,
+                    query_energy=self.query_energy)  # fmt: skip
 
     def _fine_planes(self) -> tuple[torch.Tensor, ...]:
         """``(fine_codes, fine_scales)``, or ``()`` without a refined spec."""
@@ -297,7 +355,8 @@ class PackedKV(torch.Tensor):
             f", residual={self.residual.shape[2]}"
             f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'}"
             f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'}"
-            f"{'' if self.query_scales is None else ', query-scaled'})"
+            f"{'' if self.query_scales is None else ', query-scaled'}"
+            f"{', waiting for its prefix' if self._waiting else ''})"
         )
 
     # --- tracing ------------------------------------------------------------------------
@@ -306,13 +365,15 @@ class PackedKV(torch.Tensor):
         spec = self.spec
         optional = (["fine_codes", "fine_scales"] if spec.refine else []) + (["head"] if spec.sinks else [])
         optional += (["offset"] if spec.center else []) + (["query_scales"] if spec.query_scaled else [])
+        optional += ["query_energy"] if spec.gathers_queries else []
         return ["codes", "scales", "residual", *optional], spec
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
         fine = (inner["fine_codes"], inner["fine_scales"]) if spec.refine else None
         return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine,
-                        head=inner.get("head"), offset=inner.get("offset"), query_scales=inner.get("query_scales"))  # fmt: skip
+                        head=inner.get("head"), offset=inner.get("offset"), query_scales=inner.get("query_scales"),
+                        query_energy=inner.get("query_energy"))  # fmt: skip
 
     def __reduce_ex__(self, protocol):
         # contiguous(): a growable cache's views would otherwise save their spare rows too.
@@ -458,15 +519,17 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     # Set by the first append.
     offset, query_scales = (x.new_empty((B, H, 0, D), dtype=reference.SCALE_DTYPE) if wanted else None
                             for wanted in (spec.center, spec.query_scaled))  # fmt: skip
+    query_energy = x.new_empty((B, H, 0, D), dtype=torch.float64) if spec.gathers_queries else None
     return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset,
-                    query_scales=query_scales)  # fmt: skip
+                    query_scales=query_scales, query_energy=query_energy)  # fmt: skip
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:
     fine = tuple(fn(x) for x in t._fine_planes()) or None
-    head, offset, query_scales = (None if x is None else fn(x) for x in (t.head, t.offset, t.query_scales))
+    head, offset, query_scales, query_energy = (None if x is None else fn(x)
+                                                for x in (t.head, t.offset, t.query_scales, t.query_energy))  # fmt: skip
     return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset,
-                    query_scales=query_scales)  # fmt: skip
+                    query_scales=query_scales, query_energy=query_energy)  # fmt: skip
 
 
 def _head_len(head: torch.Tensor | None) -> int:
@@ -612,7 +675,7 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     return PackedKV(
         t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
         t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
-        query_scales=t.query_scales,
+        query_scales=t.query_scales, query_energy=t.query_energy,
     )  # fmt: skip
 
 
@@ -786,6 +849,7 @@ def _fallback(func, args, kwargs):
             target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
             target.fine_codes, target.fine_scales, target._rows = updated.fine_codes, updated.fine_scales, updated._rows
             target.head, target.offset, target.query_scales = updated.head, updated.offset, updated.query_scales
+            target.query_energy = updated.query_energy
             if result is plain_args[i]:
                 result = target
     return result

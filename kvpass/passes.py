@@ -456,11 +456,11 @@ def _replace_cache_write(
         return  # a cache several sites read (differential attention) is packed once
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
+        kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {})}
         if write.past is None:
-            kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {})}
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:
-            packed = graph.call_function(graph_ops.kv4_append, (write.past, write.new), {"spec": spec.tag})
+            packed = graph.call_function(graph_ops.kv4_append, (write.past, write.new), kwargs)
     packed.meta.update({k: v for k, v in write.node.meta.items() if k in ("nn_module_stack", "stack_trace")})
     # The attention chain reads the exact new tokens (prefill) or is dropped (decode);
     # every other reader (the graph output, i.e. the cache object) gets the packed cache.
@@ -865,7 +865,9 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
 
 def _site_specs(k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> tuple[QuantSpec, QuantSpec]:
     """The specs K and V are stored with: one cache tensor read as both (shared-KV MQA) has K's."""
-    return (config.k, config.k) if k.node is v.node else (config.k, config.v)
+    if k.node is v.node:  # nor waits for K's prefix, as the twin's does not (kvpass.simulate)
+        return (dataclasses.replace(config.k, defer_prefix=False),) * 2
+    return config.k, config.v
 
 
 def _check_tiled_masks(attn: _Attention) -> None:
@@ -1319,7 +1321,8 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
                 log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
         query = None
-        if site_config.k.query_scaled and k.past is None and not _is_static(k):
+        # A first write fixes query scales from its queries; a cache waiting for its prefix gathers them.
+        if site_config.k.query_scaled and (k.past is None or site_config.k.defer_prefix) and not _is_static(k):
             query, why = _scales_query(attn, k, v, order)
             if query is None:
                 notes.append(f"K is stored without query scales: {why}")

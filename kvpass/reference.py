@@ -502,11 +502,24 @@ def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.T
     return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
 
 
-def query_key_scales(query: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+def query_energy(query: torch.Tensor, kv_heads: int, seen=0) -> torch.Tensor:
+    """What :func:`query_key_scales` takes from ``query [B, Hq, T, D]`` (query heads grouped as GQA
+    reads ``kv_heads`` KV heads), the queries after ``seen`` earlier ones: ``fp64 [B, kv_heads, 1, D]``,
+    the sum of squares of those of the first ``CENTER_SKIP + CENTER_TOKENS`` queries over tokens and
+    each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the
+    queries add up to their sum to far below fp32's resolution, where the scales are computed, so a
+    cache can gather it over several appends."""
+    B, _, _, D = query.shape
+    first = query[:, :, : torch.sym_max(CENTER_SKIP + CENTER_TOKENS - seen, 0)]
+    return first.double().pow(2).sum(2).view(B, kv_heads, -1, D).sum(2, keepdim=True)
+
+
+def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """The per-channel scales of a ``spec.query_scaled`` K cache whose first append is ``first
-    [B, Hkv, T, D]``, read by ``query [B, Hq, T, D]`` (query heads grouped as GQA reads them):
+    [B, Hkv, T, D]``, read by queries of energy ``q_energy`` (:func:`query_energy`):
     ``fp16 [B, Hkv, 1, D]``, ``(E[q_c^2] / Var[k_c]) ** (1/4)`` over tokens ``CENTER_SKIP ..
-    CENTER_SKIP + CENTER_TOKENS`` (queries from the first), scaled to a geometric mean of 1.
+    CENTER_SKIP + CENTER_TOKENS`` (queries from the first), scaled to a geometric mean of 1 (so
+    the energy's sum stands for its mean).
 
     A query reads a key through ``q . k``. After the rotation K's error is spread evenly over the
     channels, so ``q . e`` grows with the query's energy wherever the key's sits; storing ``k * s``
@@ -514,9 +527,9 @@ def query_key_scales(query: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     puts the error where the queries look least. Channels ``c`` and ``c + D/2`` share a scale: RoPE
     (rotate-half) mixes them by position, so their energy is one statistic.
     """
-    B, kv_heads, _, D = first.shape
+    D = first.shape[-1]
     stop = CENTER_SKIP + CENTER_TOKENS
-    q_energy = query[:, :, :stop].float().pow(2).mean(2).view(B, kv_heads, -1, D).mean(2)
+    q_energy = q_energy[:, :, 0].float()
     k_energy = first[:, :, CENTER_SKIP:stop].float().var(2, correction=0)
     q_energy, k_energy = (e[..., : D // 2] + e[..., D // 2 :] for e in (q_energy, k_energy))
     # A channel no first token used (or no query reads) gets a bounded scale, not an infinite one.

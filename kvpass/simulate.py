@@ -16,8 +16,10 @@ until a sliding window evicts them, the offset fixed by a layer's first update.
 
 A query-scaled K spec (``QuantSpec.query_scaled``) takes its scales from the queries of a
 layer's first update, which reach attention, never the cache: run the model inside
-:func:`observed_queries`, which hands each attention call's queries to the layer just updated
-(and, where a deferred K prefix is fixed with a past, the keys to read in place of the exact ones).
+:func:`observed_queries`, which hands each attention call's queries to the layer just updated.
+A K spec that defers its prefix (``QuantSpec.defer_prefix``) is read exact until a layer holds
+``PREFIX_MIN_TOKENS`` tokens, as kv4 holds it, and from the next update on quantized as one first
+append of all the tokens it held then (with all their queries).
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
-from kvpass.config import PREFIX_MIN_TOKENS, WINDOW_BLOCK, QuantSpec
+from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
-    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_key_scales, quantize_dequantize,
+    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_energy, query_key_scales, quantize_dequantize,
 )  # fmt: skip
 
 
@@ -78,6 +80,9 @@ class FpTokens:
         start, stop = self.quantized(stored)
         total = 0
         for spec in (k_spec.for_head_dim(head_dim), v_spec.for_head_dim(head_dim)):
+            if spec.waits(stored):  # 16 bits a value, and the queries' fp64 energy
+                total += stored * 2 * head_dim + 8 * head_dim * spec.gathers_queries
+                continue
             taken, has_offset = spec.prefix(stored)
             sinks = min(taken, stop)
             n_quant = stop - max(start, sinks)
@@ -87,14 +92,13 @@ class FpTokens:
         return total / (stored * 4 * head_dim)
 
 
-def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, state, key_states, value_states,
-                      *args, **kwargs):  # fmt: skip
+def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states, value_states, *args, **kwargs):
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
     ``state`` (a dict per layer) counts the tokens seen and holds the sinks, offset and query scales
     each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec, unscaled
-        k_spec = v_spec = None if k_spec is None else dataclasses.replace(k_spec, query_scaled=False)
-        defer_k_prefix = False  # V's reads would need K's prefix before it is fixed
+        # Nor does it wait for its prefix: V's reads would need it before it is fixed.
+        k_spec = v_spec = None if k_spec is None else dataclasses.replace(k_spec, query_scaled=False, defer_prefix=False)
     k_spec, v_spec = (
         None if spec is None else spec.for_head_dim(x.shape[-1])
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
@@ -102,7 +106,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, st
     first_update = not state
     if first_update:
         state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)])
-        if defer_k_prefix and k_spec is not None and (k_spec.sinks or k_spec.center or k_spec.query_scaled):
+        if k_spec is not None and k_spec.defer_prefix:
             state["queries"] = []  # K waits, exact, for PREFIX_MIN_TOKENS tokens (and their queries)
     elif "first_keys" in state:
         raise QueriesNotObserved(
@@ -117,22 +121,24 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, defer_k_prefix, st
     where = (*fp_tokens.quantized(past), evicted, past)
     read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where)
     deferred = "queries" in state
-    if deferred and full_k.shape[2] < PREFIX_MIN_TOKENS:  # still waiting: K exact
-        if k_spec.query_scaled:  # the scales will need every query so far
-            _await_queries(state)
-        return full_k, read_v
     if deferred or first_update:
         # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
-        # brings the layer to PREFIX_MIN_TOKENS, from all of them, as a first append of them would, and
-        # that update's attention reads the past quantized with it.
+        # brings the layer to PREFIX_MIN_TOKENS, from all of them, as a first append of them would.
+        # Until then, and in that update (kv4 reads the past it held), K reads exact.
         first_keys = full_k if deferred else key_states
+        if deferred and k_spec.waits(full_k.shape[2]):
+            if k_spec.query_scaled:  # the scales will need every query so far
+                _await_queries(state)
+            return full_k, read_v
         if k_spec is not None and k_spec.takes_query_scales(first_keys.shape[2]):
             # K's sinks and offset are of k * s, so they wait for the scales.
-            state.update(k_spec=k_spec, first_keys=first_keys, reread=(full_k, where))
+            state.update(k_spec=k_spec, first_keys=first_keys)
             _await_queries(state)
-            return full_k, read_v  # the attention call reads K as the scales fixed it (_take_queries)
+            return full_k, read_v  # a first update reads its new tokens, exact
         state.pop("queries", None)
         state["prefixes"][0] = _prefix(first_keys, k_spec)
+        if deferred:
+            return full_k, read_v
     return _read(full_k, k_spec, state["prefixes"][0], state.get("query_scales"), *where), read_v
 
 
@@ -161,13 +167,12 @@ def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Ten
     return sinks, center_offset(first, spec) if takes_offset else None
 
 
-def _take_queries(state: dict, query: torch.Tensor) -> torch.Tensor | None:
+def _take_queries(state: dict, query: torch.Tensor) -> None:
     """Hand a layer the queries of its latest update: kept while its K prefix waits (``queries``),
-    else they fix its query scales, and K's sinks and offset with them. Returns K for the attention
-    call to read instead of the exact one the update returned, when the update had a past."""
+    else they fix its query scales, and K's sinks and offset with them."""
     if "first_keys" not in state:
         state["queries"].append(query)
-        return None
+        return
     first = state.pop("first_keys")
     query = torch.cat([*state.pop("queries", ()), query], 2)
     (B, kv_heads, T, D), (qB, heads, qT, qD) = first.shape, query.shape
@@ -176,13 +181,8 @@ def _take_queries(state: dict, query: torch.Tensor) -> torch.Tensor | None:
             f"queries {tuple(query.shape)} do not read the first keys {tuple(first.shape)}: need the same batch, "
             "tokens and head_dim, and query heads a multiple of the KV heads"
         )
-    state["query_scales"] = query_key_scales(query, first)
-    k_spec = state.pop("k_spec")
-    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), k_spec)
-    full_k, where = state.pop("reread")
-    if not where[-1]:  # no past: the update's exact K is what kv4 reads too
-        return None
-    return _read(full_k, k_spec, state["prefixes"][0], state["query_scales"], *where)
+    state["query_scales"] = query_key_scales(query_energy(query, kv_heads), first)
+    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), state.pop("k_spec"))
 
 
 def _observing(attention):
@@ -196,14 +196,7 @@ def _observing(attention):
             # The latest update's layer is this call's; an older one missed its queries, and says so.
             state = _awaiting_queries.pop()
             _awaiting_queries.clear()
-            key = _take_queries(state, query)
-            if key is not None:
-                if not args or getattr(args[0], "shape", None) != key.shape:
-                    raise ValueError(
-                        f"{type(module).__name__} attends over keys other than its cache update's "
-                        f"{tuple(key.shape)}: the twin cannot defer its K prefix past the first update"
-                    )
-                args = (key, *args[1:])
+            _take_queries(state, query)
         return attention(module, query, *args, **kwargs)
 
     observed.observes_queries = True
@@ -234,14 +227,12 @@ class SimulatedKVCache(DynamicCache):
     """``k_spec``/``v_spec``: how K/V are stored (None: exact); ``layers``: the indices of the cache
     layers simulated (default: every attention layer), the others exact.
 
-    ``defer_k_prefix`` (a scheme kv4 does not have yet, ``docs/design.md``, "Short prompts"): K's
-    sinks, offset and query scales wait for the update that brings a layer to ``PREFIX_MIN_TOKENS``
-    tokens, which fixes them from all its tokens (and their queries) as a first append of them would;
-    until then K is read exact. A sliding window shorter than that keeps K exact for good."""
+    A K spec that defers its prefix (``QuantSpec.defer_prefix``) keeps a sliding window shorter than
+    ``PREFIX_MIN_TOKENS`` exact for good, as kv4 does."""
 
     def __init__(
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
-        layers: Collection[int] | None = None, defer_k_prefix: bool = False,
+        layers: Collection[int] | None = None,
     ):  # fmt: skip
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
@@ -253,7 +244,7 @@ class SimulatedKVCache(DynamicCache):
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
                 layer.update = functools.partial(
-                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, defer_k_prefix, {}
+                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, {}
                 )
 
 

@@ -47,8 +47,12 @@ def test_chunk_size_does_not_change_fp_perplexity(model):
         assert nll - head == pytest.approx(nll32, rel=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc"])
+# Sinks, offset, query scales and a deferred prefix need heads of 32 channels or more: the zoo's
+# Llama has 16, kv_heavy_llama 64.
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4-kd"])
 def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
+    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4-kd"):
+        model = kv_heavy_llama(layers=1)
     ids = _tokens(160, seed=1)[None]
     ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
     torch._dynamo.reset()
@@ -56,6 +60,19 @@ def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
     ppl_fp = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("fp")), ids, 32)
     assert ppl_kv4 == pytest.approx(ppl_sim, rel=1e-4)
     assert ppl_kv4 != ppl_fp  # the cache really was quantized
+
+
+def test_kv4_waits_for_k_prefix_token_by_token_as_the_twin_does():
+    """One token at a time from an empty cache: the decode step that brings K to 64 tokens quantizes
+    all of them inside a graph, with the queries of every step gathered there."""
+    model = kv_heavy_llama(layers=1)
+    ids = _tokens(90, seed=4)[None]
+    ppl = {}
+    for name in ("kv4-kd", "sim-kv4-kd", "kv4"):
+        torch._dynamo.reset()
+        ppl[name] = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(name)), ids, 1)
+    assert ppl["kv4-kd"] == pytest.approx(ppl["sim-kv4-kd"], rel=1e-4)
+    assert ppl["kv4-kd"] != ppl["kv4"]  # it did defer
 
 
 def test_greedy_agreement_of_fp_with_itself_is_one(model):
@@ -354,21 +371,23 @@ def test_simulated_k_sinks_and_offset_are_what_kv4_stores(model):
 
 
 def test_deferred_k_prefix_reads_k_exact_until_64_tokens_then_as_kv4_stores_them_all_at_once(model):
-    """``-kd``: K exact while a layer holds under 64 tokens; the update that reaches 64 fixes sinks and
-    offset from all of them, so K reads as kv4 stores one first append of those tokens. V is as
-    without it."""
+    """``-kd``: K exact while a layer holds under 64 tokens and in the update that brings it there
+    (kv4 reads the past it held); from the next one on, the past as kv4's cache stores it after
+    those appends. V is as without it."""
     from kvpass.packed import PackedKV
     from kvpass.simulate import SimulatedKVCache
 
     method = kv_eval.parse_method("sim-kv4-rot-mse-ks4-kc-kd")
     k_spec, v_spec = method.specs
-    assert method.defer_k_prefix and not k_spec.query_scaled  # this one needs no queries
-    deferred = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens, defer_k_prefix=True).layers[0]
-    plain = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    assert k_spec.defer_prefix and not k_spec.query_scaled  # this one needs no queries
+    deferred = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    plain_k = dataclasses.replace(k_spec, defer_prefix=False)
+    plain = SimulatedKVCache(model.config, plain_k, v_spec, method.fp_tokens).layers[0]
     g = torch.Generator().manual_seed(2)
     shared = 8 * torch.randn(1, 2, 1, 64, generator=g)
     ks, vs = [], []
-    for step in (40, 20, 10, 3):  # 60 tokens held, then 70: the third update fixes the prefix
+    stored = PackedKV.from_float(shared[:, :, :0], k_spec)
+    for step in (40, 20, 10, 3, 2):  # 60 tokens held, then 70: the third update fixes the prefix
         ks.append(shared + torch.randn(1, 2, step, 64, generator=g))
         vs.append(torch.randn(1, 2, step, 64, generator=g))
         read_k, read_v = deferred.update(ks[-1], vs[-1])
@@ -376,17 +395,16 @@ def test_deferred_k_prefix_reads_k_exact_until_64_tokens_then_as_kv4_stores_them
         full = torch.cat(ks, 2)
         past = full.shape[2] - step
         assert torch.equal(read_k[:, :, past:], ks[-1])  # new tokens: exact
-        if full.shape[2] < 64:
+        if past < 64:
             assert torch.equal(read_k, full)
-            continue
-        first = full[:, :, :70]  # all the tokens held when the prefix was fixed
-        stored = PackedKV.from_float(first, k_spec)
-        assert stored.n_head == 4 and stored.offset.shape[2] == 1
-        torch.testing.assert_close(read_k[:, :, :past], stored.dequantize()[:, :, :past], rtol=0, atol=1e-5)
-        assert not torch.equal(read_k[:, :, 4:past], full[:, :, 4:past])
+        else:
+            torch.testing.assert_close(read_k[:, :, :past], stored.dequantize(), rtol=0, atol=1e-5)
+            assert not torch.equal(read_k[:, :, 4:past], full[:, :, 4:past])
+        stored = stored.append(ks[-1])
+    assert stored.n_head == 4 and stored.offset.shape[2] == 1
     # A first update of 64 tokens or more has nothing to wait for: the layer reads as without -kd.
-    long_first = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens, defer_k_prefix=True).layers[0]
-    plain = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    long_first = SimulatedKVCache(model.config, k_spec, v_spec, method.fp_tokens).layers[0]
+    plain = SimulatedKVCache(model.config, plain_k, v_spec, method.fp_tokens).layers[0]
     for k, v in ((full[:, :, :70], torch.randn(1, 2, 70, 64, generator=g)), (full[:, :, 70:], vs[-1])):
         assert all(torch.equal(a, b) for a, b in zip(long_first.update(k, v), plain.update(k, v)))
 
@@ -394,35 +412,39 @@ def test_deferred_k_prefix_reads_k_exact_until_64_tokens_then_as_kv4_stores_them
 @torch.no_grad()
 def test_deferred_k_prefix_takes_query_scales_from_every_query_it_waited_through():
     """With query scales, the update that reaches 64 tokens fixes them from the queries of every
-    update so far; that update's attention reads the past scaled, centered and quantized as kv4
-    stores a first append of all the tokens with all their queries."""
+    update so far; the next update's attention reads the past scaled, centered and quantized as
+    kv4's cache stores it, having gathered the same queries."""
     from kvpass import simulate
     from kvpass.packed import PackedKV
     from kvpass.simulate import QueriesNotObserved, SimulatedKVCache, observed_queries
 
     model = kv_heavy_llama(layers=1)
-    k_spec, v_spec = KVConfig().k, KVConfig().v
+    k_spec, v_spec = kv_eval.parse_method("sim-kv4-kd").specs
+    assert k_spec.query_scaled and k_spec.defer_prefix
     g = torch.Generator().manual_seed(3)
     B, Hkv, Hq, D = 1, model.config.num_key_value_heads, model.config.num_attention_heads, 64
-    keys = [torch.randn(B, Hkv, n, D, generator=g) for n in (40, 30)]
-    queries = [torch.randn(B, Hq, n, D, generator=g) * torch.linspace(0.2, 3, D) for n in (40, 30)]
+    steps = (40, 30, 2)
+    keys = [torch.randn(B, Hkv, n, D, generator=g) for n in steps]
+    queries = [torch.randn(B, Hq, n, D, generator=g) * torch.linspace(0.2, 3, D) for n in steps]
     seen = []
     attend = simulate._observing(lambda module, query, key, value, *args: seen.append(key))
+    stored = PackedKV.from_float(keys[0][:, :, :0], k_spec)
     with observed_queries():
-        layer = SimulatedKVCache(model.config, k_spec, v_spec, defer_k_prefix=True).layers[0]
+        layer = SimulatedKVCache(model.config, k_spec, v_spec).layers[0]
         for k, q in zip(keys, queries):
             read_k, read_v = layer.update(k, torch.randn(k.shape, generator=g))
             attend(torch.nn.Identity(), q, read_k, read_v)
-    full = torch.cat(keys, 2)
-    assert torch.equal(seen[0], keys[0])  # 40 tokens: exact
-    stored = PackedKV.from_float(full, k_spec, query=torch.cat(queries, 2))
-    assert stored.query_scales.shape[2] == 1 and stored.n_head == 4
-    torch.testing.assert_close(seen[1][:, :, :40], stored.dequantize()[:, :, :40], rtol=0, atol=1e-5)
-    assert torch.equal(seen[1][:, :, 40:], keys[1])
+            stored = stored.append(k, q)
+            if len(seen) == 2:
+                at_70 = stored
+    assert torch.equal(seen[0], keys[0]) and torch.equal(seen[1], torch.cat(keys[:2], 2))  # exact
+    assert at_70.query_scales.shape[2] == 1 and at_70.n_head == 4
+    torch.testing.assert_close(seen[2][:, :, :70], at_70.dequantize(), rtol=0, atol=1e-5)
+    assert torch.equal(seen[2][:, :, 70:], keys[2])
     # Outside observed_queries no attention hands the queries over, and the next update says so.
-    blind = SimulatedKVCache(model.config, k_spec, v_spec, defer_k_prefix=True).layers[0]
+    blind = SimulatedKVCache(model.config, k_spec, v_spec).layers[0]
     held = []
-    for k in keys:
+    for k in keys[:2]:
         held.append(k)
         read_k, _ = blind.update(k, torch.randn(k.shape, generator=g))
         assert torch.equal(read_k, torch.cat(held, 2))  # unobserved, the prefix is never fixed

@@ -326,6 +326,24 @@ def test_attention_over_fp_sinks_and_an_offset(past, q_len, causal, dtype, k_bit
             assert (out - moved).abs().max() > 100 * TOLERANCE[dtype]["atol"]
 
 
+@pytest.mark.parametrize("held, q_len, dtype", [(1, 1, torch.float32), (40, 1, torch.float16), (63, 3, torch.bfloat16)])
+def test_attention_over_a_k_cache_waiting_for_its_prefix(held, q_len, dtype):
+    """K whose prefix is deferred (``defer_prefix``) under 64 tokens: no codes, sinks, offset or
+    query scales, every token in the residual (rotated), read after no quantized block."""
+    from kvpass.packed import PackedKV
+
+    k_spec = dataclasses.replace(SINKS_CENTERED, query_scaled=True, defer_prefix=True)
+    gen = torch.Generator().manual_seed(held)
+    q = torch.randn(2, 8, q_len, 64, generator=gen).to(dtype)
+    k = PackedKV.from_float(torch.randn(2, 2, held, 64, generator=gen).to(dtype), k_spec, q[:, :, :1].expand(-1, -1, held, -1))
+    v = PackedKV.from_float(torch.randn(2, 2, held, 64, generator=gen).to(dtype), REFINED)
+    assert k.codes.shape[2] == k.n_head == k.offset.shape[2] == 0 and k.residual.shape[2] == held
+    new = torch.randn(2, 2, q_len, 64, generator=gen).to(dtype)
+    args = (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, new, new)
+    extra = (k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, None, None)
+    _check(args, None, False, (k_spec, REFINED), dtype, fine=extra)
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_with_padding_mask(mask_kind, dtype):

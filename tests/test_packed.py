@@ -607,7 +607,7 @@ def test_query_scales_are_fixed_by_a_prompt_and_its_queries_and_undone_on_readin
     q, x = _mismatched_queries_and_keys()
     plain_spec = dataclasses.replace(QUERY_SCALED, query_scaled=False)
     p = PackedKV.from_float(x[:, :, :80], QUERY_SCALED, q[:, :, :80]).append(x[:, :, 80:])
-    s = reference.query_key_scales(q[:, :, :80], x[:, :, :80])
+    s = reference.query_key_scales(reference.query_energy(q[:, :, :80], 2), x[:, :, :80])
     assert p.query_scales.shape == (2, 2, 1, 64) and torch.equal(p.query_scales, s)
     assert torch.equal(s[..., :32], s[..., 32:]) and s[..., 16:32].min() > 4 * s[..., :16].max()
     # Stored: x * s as the plain spec stores it; read back divided by s.
@@ -661,6 +661,78 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
     assert QUERY_SCALED.tag.endswith(":ctr:qs") and QuantSpec.from_tag(QUERY_SCALED.tag) == QUERY_SCALED
     assert not QUERY_SCALED.for_slots.query_scaled and not QUERY_SCALED.for_head_dim(16).query_scaled
     assert KVConfig().k.query_scaled and not KVConfig().v.query_scaled  # K's default
+
+
+DEFERRED = dataclasses.replace(KVConfig().k, defer_prefix=True)
+
+
+def test_a_deferred_prefix_holds_short_prompts_exact_then_quantizes_them_as_one_first_append():
+    """``defer_prefix``: appends under 64 tokens in all hold them unquantized (16 bits) with their
+    queries' energy; the append that reaches 64 stores what ``from_float`` stores for all the tokens
+    held (as they read back) and new, with all their queries."""
+    q, x = _mismatched_queries_and_keys()
+    x = x.to(torch.bfloat16)
+    steps = (8, 1, 30, 20, 5, 7)  # 64 held after five appends
+    p, held = PackedKV.from_float(x[:, :, :0], DEFERRED), []
+    for start, step in zip(torch.tensor((0, *steps)).cumsum(0).tolist(), steps):
+        if p.shape[2] + step >= PREFIX_MIN_TOKENS:
+            held = p
+        p = p.append(x[:, :, start : start + step], q[:, :, start : start + step])
+        if p.shape[2] >= PREFIX_MIN_TOKENS:
+            break
+        assert p.codes.shape[2] == p.n_head == p.query_scales.shape[2] == p.offset.shape[2] == 0
+        assert "waiting for its prefix" in repr(p)
+        # Held rotated, as the kernels read a residual: back within bf16's rounding of it.
+        torch.testing.assert_close(p.dequantize(), x[:, :, : p.shape[2]], rtol=0.02, atol=0.02)
+        energy = 2 * 2 * 64 * 8  # [B, H, 1, D] fp64
+        assert p.stored_bytes() == x[:, :, : p.shape[2]].numel() * 2 + energy
+    assert p.shape[2] == PREFIX_MIN_TOKENS and p.query_energy.shape[2] == 0
+    tokens = torch.cat([held.dequantize(), x[:, :, held.shape[2] : 64]], 2)
+    expected = PackedKV.from_float(tokens, DEFERRED, q[:, :, :64])
+    assert expected.n_head == 4 and expected.query_scales.shape[2] == expected.offset.shape[2] == 1
+    for name in p.__tensor_flatten__()[0]:
+        assert torch.equal(getattr(p, name), getattr(expected, name)), name
+    # Later appends quantize only their own tokens, as after any first append.
+    assert torch.equal(p.append(x[:, :, 64:], q[:, :, 64:]).dequantize(), expected.append(x[:, :, 64:]).dequantize())
+    # A first append of 64 or more has nothing to wait for.
+    plain = dataclasses.replace(DEFERRED, defer_prefix=False)
+    assert torch.equal(PackedKV.from_float(x, DEFERRED, q).dequantize(), PackedKV.from_float(x, plain, q).dequantize())
+
+
+def test_a_waiting_cache_is_read_reordered_cropped_moved_and_saved_as_held():
+    q, x = _mismatched_queries_and_keys(40)
+    p = PackedKV.from_float(x, DEFERRED, q)
+    v = PackedKV.from_float(torch.randn(2, 2, 40, 64), KVConfig().v)
+    q_new, k_new, v_new = torch.randn(2, 4, 3, 64), torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64)
+    k_all = torch.cat([p.dequantize(), k_new], 2).repeat_interleave(2, 1)
+    v_all = torch.cat([v.dequantize(), v_new], 2).repeat_interleave(2, 1)
+    expected = torch.nn.functional.scaled_dot_product_attention(q_new, k_all, v_all)
+    torch.testing.assert_close(packed.attention(q_new, p, v, k_new, v_new), expected, rtol=0, atol=1e-5)
+    order = torch.tensor([1, 1])
+    for moved, read in ((p[order], p.dequantize()[order]), (p[:, :, :30], p.dequantize()[:, :, :30]),
+                        (p.to(torch.float16), p.dequantize().half())):  # fmt: skip
+        assert moved._waiting and moved.query_energy.shape[2] == 1
+        torch.testing.assert_close(moved.dequantize(), read, rtol=0, atol=1e-2 if moved.dtype == torch.float16 else 0)
+    assert torch.equal(p[order].query_energy, p.query_energy[order])
+    buffer = io.BytesIO()
+    torch.save(p, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert torch.equal(loaded.query_energy, p.query_energy) and torch.equal(loaded.dequantize(), p.dequantize())
+    # Queries that do not read the new tokens are named.
+    with pytest.raises(ValueError, match=r"queries \(2, 4, 5, 64\) do not read the new tokens \(2, 2, 3, 64\)"):
+        p.append(k_new, torch.randn(2, 4, 5, 64))
+    # Without the queries of every held token, the first append takes no query scales.
+    blind = PackedKV.from_float(x, DEFERRED).append(torch.randn(2, 2, 30, 64), torch.randn(2, 4, 30, 64))
+    assert blind.n_head == 4 and blind.query_scales.shape[2] == 0
+
+
+def test_defer_prefix_setting_is_checked_and_static_caches_and_narrow_heads_strip_it():
+    with pytest.raises(ValueError, match="defer_prefix=True needs sinks, center or query_scaled"):
+        QuantSpec(4, "token", 64, defer_prefix=True)
+    assert DEFERRED.tag.endswith(":qs:dp") and QuantSpec.from_tag(DEFERRED.tag) == DEFERRED
+    assert not DEFERRED.for_slots.defer_prefix and not DEFERRED.for_head_dim(16).defer_prefix
+    assert not KVConfig().k.defer_prefix
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
