@@ -142,7 +142,7 @@ def kv4(
     k_center: bool | None = None,
     v_center: bool | None = None,
     k_query_scaled: bool | None = None,
-    k_defer_prefix: bool = False,
+    k_defer_prefix: bool | None = None,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -171,7 +171,8 @@ def kv4(
     prompts under 64 tokens keep none; ``QuantSpec.query_scaled``).
     ``k_defer_prefix`` holds a cache's K unquantized (16 bits) until it holds 64 tokens, which then
     fix K's sinks, offset and query scales as a prompt of 64 would (``QuantSpec.defer_prefix``): a
-    chat from a short prompt keeps all three, at the cost of 16-bit K in caches under 64 tokens.
+    chat from a short prompt keeps all three, at the cost of 16-bit K in caches under 64 tokens
+    (default: on where K takes any of the three).
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
@@ -192,14 +193,15 @@ def kv4(
 
     k_plain = k_scheme == "token" and not window  # per-token groups without a window
     v_plain = v_scheme == "token" and not window
-    k = QuantSpec(
+    k_extras = dict(
         bits=k_bits or bits, scheme=k_scheme, group=k_group, rotate=k_rotate, symmetric=k_symmetric,
         window=window if k_scheme == "token" else 0, clip=_DEFAULT.k.clip and k_symmetric if clip is None else clip,
         refine=default(refine, _DEFAULT.k.refine, k_plain), sinks=default(k_sinks, _DEFAULT.k.sinks, k_plain),
         center=default(k_center, _DEFAULT.k.center, k_plain and k_symmetric),
         query_scaled=default(k_query_scaled, _DEFAULT.k.query_scaled, k_plain),
-        defer_prefix=k_defer_prefix,
     )
+    deferrable = any(k_extras[name] for name in ("sinks", "center", "query_scaled"))
+    k = QuantSpec(**k_extras, defer_prefix=default(k_defer_prefix, _DEFAULT.k.defer_prefix, deferrable))
     config = KVConfig(
         k=k,
         v=QuantSpec(

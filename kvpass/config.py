@@ -344,7 +344,8 @@ class KVConfig:
 
     # Chosen by measured streaming perplexity on SmolLM2 and Gemma 3 (docs/eval.md, docs/design.md).
     k: QuantSpec = QuantSpec(
-        bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True, query_scaled=True
+        bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True, query_scaled=True,
+        defer_prefix=True,
     )
     v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     # K specs for chosen layers, as (layer index, spec) pairs: a layer's index is the last number

@@ -190,9 +190,12 @@ def _kv4_spec_bytes(spec: QuantSpec, heads: int, dim: int, context: int, held: i
     """Bytes one layer's K or V stores under ``spec`` for one sequence holding ``held`` of a
     prompt's ``context`` tokens: a code and scale per value, the second code plane of the newest
     tokens, and the fp16 sinks (beyond the codes they stand for), offset and query scales the prompt
-    fixes, the sinks evicted where a sliding window holds fewer than ``context``."""
+    fixes, the sinks evicted where a sliding window holds fewer than ``context``; a prompt shorter than
+    a ``defer_prefix`` spec waits for, 16 bits a value."""
     bits = reference.bits_per_value(spec, heads, dim)
     fp16_bits = _FIXED_BITS["fp16"]
+    if spec.waits(context):  # every token 16-bit, and the queries' fp64 energy
+        return heads * (held * dim * fp16_bits + 64 * dim * spec.gathers_queries) / 8
     taken, has_offset = spec.prefix(context)
     sinks = taken if held == context else 0
     refined = spec.refined_tokens(held, dim, sinks, has_offset)

@@ -47,7 +47,8 @@ Methods (``--methods``, comma separated):
   sinks) of K and V unquantized, ``-fF`` flushes F tokens at a time instead of 64, e.g.
   ``sim-kv4-rot-w64-s4``.
 * ``-kd`` defers K's sinks, offset and query scales until a layer holds 64 tokens, K 16-bit
-  until then (``kvpass.kv4(k_defer_prefix=True)``), e.g. ``kv4-kd``.
+  until then (``kvpass.kv4(k_defer_prefix=True)``, the default's); the named variants, ``int8``
+  and ``int2`` defer nothing without it, e.g. ``kv4-rot-mse-r64-ks4-kc-qs`` is the default without.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -198,8 +199,8 @@ def parse_method(name: str) -> Method:
         kwargs["k_center"] = bool(m["k_center"])
     if m["query_scaled"] or variant or m["base"] != "kv4":
         kwargs["k_query_scaled"] = bool(m["query_scaled"])
-    if m["defer"]:
-        kwargs["k_defer_prefix"] = True
+    if m["defer"] or variant or m["base"] != "kv4":
+        kwargs["k_defer_prefix"] = bool(m["defer"])
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")

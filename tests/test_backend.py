@@ -274,11 +274,12 @@ def test_second_plane_adds_at_most_two_graphs_to_a_generate(prompt, graphs):
 @pytest.mark.parametrize("prompt, graphs", [(5, 7), (8, 6), (200, 4)])
 @torch.no_grad()
 def test_a_deferred_k_prefix_adds_a_graph_while_waiting_and_one_where_it_ends(prompt, graphs):
-    """``k_defer_prefix``: a short prompt's decode compiles its waiting steps (static, then dynamic
-    length), the step that reaches 64 tokens, then the usual decode graphs; a long prompt never waits."""
+    """K's deferred prefix (the default): a short prompt's decode compiles its waiting steps (static,
+    then dynamic length), the step that reaches 64 tokens, then the usual decode graphs; a long
+    prompt never waits."""
     torch._dynamo.reset()
     model = kv_heavy_llama(layers=1)
-    backend = kvpass.kv4(k_defer_prefix=True)
+    backend = kvpass.kv4()
     model.compile(backend=backend)
     out = model.generate(_ids(prompt), max_new_tokens=80, do_sample=False, return_dict_in_generate=True)
     assert len(backend.graphs) == graphs

@@ -71,15 +71,15 @@ def test_kv4_ratio_head_dim_128():
     k_extra = 49 * 128 * 4.25 / 8 + 4 * 128 * (16 - 4.25) / 8 + 128 * 2 + 128 * 2
     v_extra = 64 * 128 * 4.25 / 8
     assert kv_cache_bytes((32, 8, 128), "kv4", 131072) == 4.25 * GiB + 32 * 8 * (k_extra + v_extra)
-    assert kv_cache_bytes((32, 8, 128), "kv4", 5) == 5 * 34816  # no sinks, and no plane under 8 tokens
-    # 6 to 63 tokens: K keeps its first token in fp16, and K and V refine min(64, tokens / 8) tokens
-    k_sink = 1 * 128 * (16 - 4.25) / 8
+    # Under 64 tokens K waits for its prefix in fp16, with an fp64 row of its queries' energy per KV
+    # head; V is int4 and refines min(64, tokens / 8) tokens.
     token = 128 * 4.25 / 8
-    assert kv_cache_bytes((32, 8, 128), "kv4", 12) == 12 * 34816 + 32 * 8 * (k_sink + 2 * 1 * token)
-    assert kv_cache_bytes((32, 8, 128), "kv4", 32) == 32 * 34816 + 32 * 8 * (k_sink + 2 * 4 * token)
-    # At head_dim 32 (groups of 32 channels, 4.5 bits) that sink gives up one of K's refined tokens.
-    token, k_sink = 32 * 4.5 / 8, 1 * 32 * (16 - 4.5) / 8
-    assert kv_cache_bytes((32, 8, 32), "kv4", 32) == 32 * 8 * (32 * 2 * token + k_sink + (3 + 4) * token)
+    for tokens, refined in ((5, 0), (12, 1), (32, 4), (63, 7)):
+        waiting_k = tokens * 128 * 2 + 128 * 8
+        assert kv_cache_bytes((32, 8, 128), "kv4", tokens) == 32 * 8 * (waiting_k + (tokens + refined) * token)
+    # At head_dim 32 (groups of 32 channels, 4.5 bits) the same.
+    token = 32 * 4.5 / 8
+    assert kv_cache_bytes((32, 8, 32), "kv4", 32) == 32 * 8 * (32 * 32 * 2 + 32 * 8 + (32 + 4) * token)
 
 
 @pytest.mark.parametrize("heads, head_dim", [(2, 8), (4, 16), (2, 32), (3, 64), (1, 80), (2, 128), (1, 256)])

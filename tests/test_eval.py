@@ -49,9 +49,9 @@ def test_chunk_size_does_not_change_fp_perplexity(model):
 
 # Sinks, offset, query scales and a deferred prefix need heads of 32 channels or more: the zoo's
 # Llama has 16, kv_heavy_llama 64.
-@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4-kd"])
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4"])
 def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
-    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4-kd"):
+    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4"):
         model = kv_heavy_llama(layers=1)
     ids = _tokens(160, seed=1)[None]
     ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
@@ -68,11 +68,11 @@ def test_kv4_waits_for_k_prefix_token_by_token_as_the_twin_does():
     model = kv_heavy_llama(layers=1)
     ids = _tokens(90, seed=4)[None]
     ppl = {}
-    for name in ("kv4-kd", "sim-kv4-kd", "kv4"):
+    for name in ("kv4", "sim-kv4", "kv4-rot-mse-r64-ks4-kc-qs"):
         torch._dynamo.reset()
         ppl[name] = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(name)), ids, 1)
-    assert ppl["kv4-kd"] == pytest.approx(ppl["sim-kv4-kd"], rel=1e-4)
-    assert ppl["kv4-kd"] != ppl["kv4"]  # it did defer
+    assert ppl["kv4"] == pytest.approx(ppl["sim-kv4"], rel=1e-4)
+    assert ppl["kv4"] != ppl["kv4-rot-mse-r64-ks4-kc-qs"]  # it did defer
 
 
 def test_greedy_agreement_of_fp_with_itself_is_one(model):
@@ -211,20 +211,23 @@ def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token", v_group=128,
                                     v_rotate=True, clip=False, refine=0, k_sinks=0, k_center=False,
-                                    k_query_scaled=False)  # fmt: skip
+                                    k_query_scaled=False, k_defer_prefix=False)  # fmt: skip
     assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0, "k_sinks": 0,
-                                                           "k_center": False, "k_query_scaled": False}  # fmt: skip
+                                                           "k_center": False, "k_query_scaled": False,
+                                                           "k_defer_prefix": False}  # fmt: skip
     # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
     refined = kv_eval.parse_method("kv4-rot-mse-r64")
     assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 3, 64) == 34 / 128 * (1 + 64 / 4096)
     assert refined.fp16_ratio(256, 3, 64) == 34 / 128 * (1 + 1 / 8)
     # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
-    # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks, -kc centers K and -qs
-    # scales it by the queries
+    # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks, -kc centers K, -qs
+    # scales it by the queries and -kd defers all three to 64 tokens
     assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
-    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs").specs == (KVConfig().k, KVConfig().v)
-    previous = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs[0]  # the default until the fifteenth run
-    assert previous == dataclasses.replace(KVConfig().k, query_scaled=False)
+    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs-kd").specs == (KVConfig().k, KVConfig().v)
+    previous = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs").specs[0]  # the default until the eighteenth run
+    assert previous == dataclasses.replace(KVConfig().k, defer_prefix=False)
+    older = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs[0]  # the default until the fifteenth run
+    assert older == dataclasses.replace(previous, query_scaled=False)
     assert not any(s.sinks or s.center for s in kv_eval.parse_method("kv4-rot-mse-r64").specs)
     k, v = kv_eval.parse_method("kv4-rot-mse-r56-ks4-kc").specs
     assert (k.sinks, k.center, k.refine, v.sinks, v.center, v.refine) == (4, True, 56, 0, False, 56)
@@ -419,7 +422,7 @@ def test_deferred_k_prefix_takes_query_scales_from_every_query_it_waited_through
     from kvpass.simulate import QueriesNotObserved, SimulatedKVCache, observed_queries
 
     model = kv_heavy_llama(layers=1)
-    k_spec, v_spec = kv_eval.parse_method("sim-kv4-kd").specs
+    k_spec, v_spec = kv_eval.parse_method("sim-kv4").specs
     assert k_spec.query_scaled and k_spec.defer_prefix
     g = torch.Generator().manual_seed(3)
     B, Hkv, Hq, D = 1, model.config.num_key_value_heads, model.config.num_attention_heads, 64
@@ -450,9 +453,9 @@ def test_deferred_k_prefix_takes_query_scales_from_every_query_it_waited_through
         assert torch.equal(read_k, torch.cat(held, 2))  # unobserved, the prefix is never fixed
     with pytest.raises(QueriesNotObserved, match="observed_queries"):
         blind.update(keys[1][:, :, :1], keys[1][:, :, :1] + 1)
-    # kvpass eval's sim-...-kd methods run a model so.
+    # kvpass eval's sim- methods run a model so.
     ids = _tokens(100)[None]
-    assert kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4-kd")), ids, 8) > 1
+    assert kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method("sim-kv4")), ids, 8) > 1
 
 
 @pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])

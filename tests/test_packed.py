@@ -543,10 +543,12 @@ def test_sinks_and_offset_are_paid_for_by_a_shorter_second_plane(tokens):
 
 @pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.34375), (64, 0.3447265625), (128, 0.3447265625)])
 def test_short_prompts_sink_keeps_every_cache_length_under_the_sweeps_bound(head_dim, worst_ratio):
-    # The default's K and V after every prompt of up to 24 tokens and each of 24 decode steps (the
-    # short caches a 16-bit sink weighs most in) must stay under the support sweep's 0.35x fp16; the
-    # worst case (8 tokens after a 6-token prompt) is the figure docs/design.md and the README give.
-    specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
+    # The default without a deferred prefix: K and V after every prompt of up to 24 tokens and each of
+    # 24 decode steps (the short caches a 16-bit sink weighs most in) must stay under the support
+    # sweep's 0.35x fp16; the worst case (8 tokens after a 6-token prompt) is the figure
+    # docs/design.md gives.
+    k_spec = dataclasses.replace(KVConfig().k, defer_prefix=False)
+    specs = [spec.for_head_dim(head_dim) for spec in (k_spec, KVConfig().v)]
     worst = 0.0
     for prompt in range(1, 25):
         k, v = (PackedKV.from_float(torch.randn(1, 2, prompt, head_dim, dtype=torch.float16), s) for s in specs)
@@ -590,7 +592,7 @@ def test_sinks_and_center_settings_are_checked_and_static_caches_strip_them():
         PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", SINKS_CENTERED)
 
 
-QUERY_SCALED = dataclasses.replace(KVConfig().k, query_scaled=True)
+QUERY_SCALED = dataclasses.replace(KVConfig().k, defer_prefix=False)
 
 
 def _mismatched_queries_and_keys(tokens=120):
@@ -663,7 +665,30 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
     assert KVConfig().k.query_scaled and not KVConfig().v.query_scaled  # K's default
 
 
-DEFERRED = dataclasses.replace(KVConfig().k, defer_prefix=True)
+DEFERRED = KVConfig().k
+
+
+@pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.3369140625), (64, 0.32080078125), (128, 0.32080078125)])
+def test_a_deferred_prefix_keeps_every_cache_from_64_tokens_on_under_the_sweeps_bound(head_dim, worst_ratio):
+    """The default's K and V from prompts of 1 to 63 tokens, decoded to 130: under 64 tokens K is
+    16-bit (and its queries' energy 64-bit); from 64 on, with all of K's prefix fixed, every length
+    stays under the support sweep's 0.35x fp16 (the worst case is the figure docs/design.md gives)."""
+    specs = [spec.for_head_dim(head_dim) for spec in (KVConfig().k, KVConfig().v)]
+    worst = 0.0
+    for prompt in (1, 5, 6, 8, 24, 63):
+        q = torch.randn(1, 4, prompt, head_dim, dtype=torch.float16)
+        k, v = (PackedKV.from_float(torch.randn(1, 2, prompt, head_dim, dtype=torch.float16), spec, query)
+                for spec, query in zip(specs, (q, None)))  # fmt: skip
+        while k.shape[2] < 130:
+            waiting = k.shape[2] < PREFIX_MIN_TOKENS
+            assert k._waiting == waiting and k.n_head == (0 if waiting else 4)
+            if waiting:
+                assert k.stored_bytes() == k.numel() * 2 + 2 * head_dim * 8
+            else:
+                worst = max(worst, (k.stored_bytes() + v.stored_bytes()) / (2 * k.numel() * 2))
+            new = torch.randn(1, 2, 1, head_dim, dtype=torch.float16)
+            k, v = k.append(new, torch.randn(1, 4, 1, head_dim, dtype=torch.float16)), v.append(new)
+    assert worst == worst_ratio <= 0.35
 
 
 def test_a_deferred_prefix_holds_short_prompts_exact_then_quantizes_them_as_one_first_append():
@@ -732,7 +757,7 @@ def test_defer_prefix_setting_is_checked_and_static_caches_and_narrow_heads_stri
         QuantSpec(4, "token", 64, defer_prefix=True)
     assert DEFERRED.tag.endswith(":qs:dp") and QuantSpec.from_tag(DEFERRED.tag) == DEFERRED
     assert not DEFERRED.for_slots.defer_prefix and not DEFERRED.for_head_dim(16).defer_prefix
-    assert not KVConfig().k.defer_prefix
+    assert KVConfig().k.defer_prefix and not KVConfig().v.defer_prefix  # K's default
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
