@@ -212,7 +212,7 @@ class PackedKV(torch.Tensor):
         held = self.residual.shape[2]
         q_energy = None
         # The queries of every held token, or none: scales from some of them would be another statistic.
-        if query is not None and (held == 0 or self.query_energy is not None and self.query_energy.shape[2]):
+        if query is not None and self.spec.gathers_queries and (held == 0 or self.query_energy.shape[2]):
             q_energy = reference.query_energy(query, new.shape[1], held)
             if held:
                 q_energy = q_energy + self.query_energy
@@ -221,7 +221,7 @@ class PackedKV(torch.Tensor):
             residual = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
             parts = self._parts()
             if self.spec.gathers_queries:
-                parts["query_energy"] = self.query_energy[:, :, :0] if q_energy is None else q_energy
+                parts["query_energy"] = self._no_energy if q_energy is None else q_energy
             return PackedKV(self.codes, self.scales, residual, self.spec, **parts)
         tokens = torch.cat([self.dequantize(), new.to(self.dtype)], dim=2)
         return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy)
@@ -276,7 +276,7 @@ class PackedKV(torch.Tensor):
     def _extended(self, codes, scales, residual, fine=None, head=None, offset=None, query_scales=None) -> PackedKV:
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
         (and ``fine``, ``head``, ``offset`` and ``query_scales`` as the new second code plane, sinks,
-        offset and query scales)."""
+        offset and query scales); a cache with quantized tokens waits for nothing, so holds no query energy."""
         parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales, query_energy=self._no_energy)
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
