@@ -185,7 +185,8 @@ class PackedKV(torch.Tensor):
             )
         if self._waiting:
             return self._held_append(new, query)
-        energy = None if query is None else reference.query_energy(query, new.shape[1])
+        # Only a first append takes query scales: decode steps skip the energy.
+        energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1])
         return self._quantized_append(new, energy)
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None) -> PackedKV:
