@@ -143,6 +143,7 @@ def kv4(
     v_center: bool | None = None,
     k_query_scaled: bool | None = None,
     k_defer_prefix: bool | None = None,
+    k_prefix_tokens: int = _DEFAULT.k.prefix_tokens,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -173,6 +174,8 @@ def kv4(
     fix K's sinks, offset and query scales as a prompt of 64 would (``QuantSpec.defer_prefix``): a
     chat from a short prompt keeps all three, at the cost of 16-bit K in caches under 64 tokens
     (default: on where K takes any of the three).
+    ``k_prefix_tokens`` is how many tokens after K's sinks its offset and query scales are computed
+    over, at most, and what a deferring K waits for (``QuantSpec.prefix_tokens``; at least 64).
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
@@ -201,7 +204,8 @@ def kv4(
         query_scaled=default(k_query_scaled, _DEFAULT.k.query_scaled, k_plain),
     )
     deferrable = any(k_extras[name] for name in ("sinks", "center", "query_scaled"))
-    k = QuantSpec(**k_extras, defer_prefix=default(k_defer_prefix, _DEFAULT.k.defer_prefix, deferrable))
+    k = QuantSpec(**k_extras, defer_prefix=default(k_defer_prefix, _DEFAULT.k.defer_prefix, deferrable),
+                  prefix_tokens=k_prefix_tokens)  # fmt: skip
     config = KVConfig(
         k=k,
         v=QuantSpec(

@@ -15,7 +15,8 @@ WINDOW_BLOCK = 64
 # tokens, so it costs at most 1/8 more bytes even in a short cache.
 REFINE_SHARE = 8
 # A centered spec's offset is the mean of a cache's first tokens after the first CENTER_SKIP
-# (attention sinks, whose keys are outliers, not typical keys), at most CENTER_TOKENS of them.
+# (attention sinks, whose keys are outliers, not typical keys), at most CENTER_TOKENS of them
+# unless the spec says more (QuantSpec.prefix_tokens); query scales come from the same tokens.
 CENTER_SKIP = 4
 CENTER_TOKENS = 64
 # A cache takes its fp sinks and offset only from a first append (a prompt) of at least this
@@ -87,7 +88,7 @@ class QuantSpec:
 
     ``center=True`` (symmetric per-token scheme, no window) quantizes each token minus a fixed
     offset per sequence and head: the mean of the cache's first append after its first
-    ``CENTER_SKIP`` tokens (at most ``CENTER_TOKENS`` of them), stored in fp16. Reading adds it
+    ``CENTER_SKIP`` tokens (at most ``prefix_tokens`` of them), stored in fp16. Reading adds it
     back, so the codes spend their levels on what differs between tokens, not on a direction all
     of them share (Gemma 3's keys).
 
@@ -106,12 +107,17 @@ class QuantSpec:
     one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`).
     ``defer_prefix=True`` (with sinks, an offset or query scales) holds a shorter first append's
     tokens unquantized instead, in the residual, with their queries' energy, until the cache holds
-    ``PREFIX_MIN_TOKENS``: the append that brings it there quantizes all of them as one first append
+    ``prefix_tokens`` (``PREFIX_MIN_TOKENS`` unless set higher): the append that brings it there quantizes all of them as one first append
     (so a chat from a short prompt keeps all three). Until then K costs 16 bits a value. A cache pays for
     what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset; for
     one sink, 1 in groups under 64 channels, else none) for as long as it holds them or its offset,
     so from 128 tokens on a long prompt's cache stores no more than it would without them (a short
     prompt's, 2 to 3 int4 tokens more).
+
+    ``prefix_tokens`` (default ``CENTER_TOKENS``, 64) is how many tokens after the sinks the offset
+    and query scales are computed over, at most (a longer first append gives them more), and what a
+    ``defer_prefix`` cache waits for: more tokens make steadier statistics, and a deferring cache
+    pays for them with 16-bit K until it holds that many.
     """
 
     bits: int = 4
@@ -139,8 +145,10 @@ class QuantSpec:
     span_heads: bool = False
     # K times per-channel scales from the first append's queries (read with the query divided by them).
     query_scaled: bool = False
-    # Short first appends wait unquantized for PREFIX_MIN_TOKENS tokens, which fix sinks, offset and scales.
+    # Short first appends wait unquantized for prefix_tokens tokens, which fix sinks, offset and scales.
     defer_prefix: bool = False
+    # Tokens after the sinks whose statistics fix the offset and query scales, at most.
+    prefix_tokens: int = CENTER_TOKENS
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -182,6 +190,16 @@ class QuantSpec:
                 "defer_prefix=True needs sinks, center or query_scaled: it defers what a first append fixes, "
                 "and this spec takes nothing from one"
             )
+        if not isinstance(self.prefix_tokens, int) or self.prefix_tokens < PREFIX_MIN_TOKENS:
+            raise ValueError(
+                f"prefix_tokens must be an int >= {PREFIX_MIN_TOKENS} (tokens whose statistics fix K's prefix), "
+                f"got {self.prefix_tokens!r}"
+            )
+        if self.prefix_tokens != CENTER_TOKENS and not (self.center or self.query_scaled or self.defer_prefix):
+            raise ValueError(
+                f"prefix_tokens={self.prefix_tokens} needs center, query_scaled or defer_prefix: it sets the tokens "
+                "their statistics come from and a deferring cache waits for, and this spec has none of them"
+            )
         if self.center and not self.symmetric:
             raise ValueError("center=True needs symmetric=True; an asymmetric grid's zero points already shift each group")
         if not isinstance(self.span_heads, bool):
@@ -199,7 +217,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:dp]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:p512][:dp]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -213,12 +231,13 @@ class QuantSpec:
             + (":ctr" if self.center else "")
             + (":heads" if self.span_heads else "")
             + (":qs" if self.query_scaled else "")
+            + (f":p{self.prefix_tokens}" if self.prefix_tokens != CENTER_TOKENS else "")
             + (":dp" if self.defer_prefix else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:dp]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:p<tokens>][:dp]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -230,7 +249,7 @@ class QuantSpec:
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
                 sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags, query_scaled="qs" in flags,
-                defer_prefix="dp" in flags,
+                defer_prefix="dp" in flags, prefix_tokens=tokens("p") or CENTER_TOKENS,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -261,7 +280,7 @@ class QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
         is written, with no fp window, no second code plane, no fp sinks, no offset and no query scales."""
         return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False, query_scaled=False,
-                                   defer_prefix=False)  # fmt: skip
+                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS)  # fmt: skip
 
     def for_head_dim(self, head_dim: int) -> QuantSpec:
         """This spec for heads of ``head_dim`` channels: below ``MIN_EXTRAS_HEAD_DIM`` channels
@@ -271,7 +290,7 @@ class QuantSpec:
             return self
         span_heads = self.span_heads or self.token_group(head_dim) < MIN_HEAD_GROUP
         return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads, query_scaled=False,
-                                   defer_prefix=False)  # fmt: skip
+                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS)  # fmt: skip
 
     def heads_per_group(self, heads: int, head_dim: int) -> int:
         """KV heads whose channels of one token form one group: 1, or with ``span_heads`` as many as
@@ -297,7 +316,7 @@ class QuantSpec:
     def waits(self, held: int) -> bool:
         """Whether a cache of this spec holding ``held`` tokens, none quantized, keeps them unquantized
         (``defer_prefix``) rather than quantizing them as a first append."""
-        return self.defer_prefix and held < PREFIX_MIN_TOKENS
+        return self.defer_prefix and held < self.prefix_tokens
 
     def takes_query_scales(self, first: int) -> bool:
         """Whether a first append of ``first`` tokens fixes query scales: as for the offset, from

@@ -49,6 +49,8 @@ Methods (``--methods``, comma separated):
 * ``-kd`` defers K's sinks, offset and query scales until a layer holds 64 tokens, K 16-bit
   until then (``kvpass.kv4(k_defer_prefix=True)``, the default's); the named variants, ``int8``
   and ``int2`` defer nothing without it, e.g. ``kv4-rot-mse-r64-ks4-kc-qs`` is the default without.
+  ``-kpN`` (last) takes K's offset and query scales over up to N tokens after the sinks instead of
+  64, and a deferring K waits for N (``kvpass.kv4(k_prefix_tokens=N)``), e.g. ``kv4-kp512``.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -92,7 +94,8 @@ DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
                      r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?(?P<query_scaled>-qs)?"
-                     r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?(?P<defer>-kd)?$")  # fmt: skip
+                     r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?(?P<defer>-kd)?"
+                     r"(?:-kp(?P<prefix_tokens>\d+))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 # Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
 # per-block differences give a paired comparison an error bar, which the means alone cannot.
@@ -163,7 +166,8 @@ def parse_method(name: str) -> Method:
             f"unknown method {name!r}: use fp, fp16, bf16, quanto, kv4, kv4-kivi, kv4-rot, kv4-naive, int8, int2, "
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -qs (K scaled by the queries), "
-            "-kB@L.L (K bits B in layers L), -kd (K prefix deferred to 64 tokens), "
+            "-kB@L.L (K bits B in layers L), -kd (K prefix deferred to 64 tokens), -kpN (K prefix statistics "
+            "over N tokens, and deferred to N), "
             "and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
@@ -201,6 +205,8 @@ def parse_method(name: str) -> Method:
         kwargs["k_query_scaled"] = bool(m["query_scaled"])
     if m["defer"] or variant or m["base"] != "kv4":
         kwargs["k_defer_prefix"] = bool(m["defer"])
+    if m["prefix_tokens"]:
+        kwargs["k_prefix_tokens"] = int(m["prefix_tokens"])
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")

@@ -73,7 +73,7 @@ class PackedKV(torch.Tensor):
       [B, H, 1, D]`` while the cache waits (below), the energy of the queries of the tokens it holds
       (:func:`kvpass.reference.query_energy`), else ``[B, H, 0, D]``.
 
-    **Waiting** (``spec.defer_prefix``): until a cache holds ``PREFIX_MIN_TOKENS`` tokens it quantizes
+    **Waiting** (``spec.defer_prefix``): until a cache holds ``spec.prefix_tokens`` tokens it quantizes
     none of them; they sit in ``residual`` (stored domain, as the kernels read it) and every other
     part is empty. The append that brings it to that length quantizes all of them (the held ones
     read back) as :meth:`from_float` quantizes one first append, with all their queries.
@@ -186,7 +186,7 @@ class PackedKV(torch.Tensor):
         if self._waiting:
             return self._held_append(new, query)
         # Only a first append takes query scales: decode steps skip the energy.
-        energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1])
+        energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1], self.spec)
         return self._quantized_append(new, energy)
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None) -> PackedKV:
@@ -208,13 +208,13 @@ class PackedKV(torch.Tensor):
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
     def _held_append(self, new: torch.Tensor, query: torch.Tensor | None) -> PackedKV:
-        """:meth:`append` while waiting: hold ``new`` unquantized, or with it reach ``PREFIX_MIN_TOKENS``
+        """:meth:`append` while waiting: hold ``new`` unquantized, or with it reach ``spec.prefix_tokens``
         and quantize every token as one first append."""
         held = self.residual.shape[2]
         q_energy = None
         # The queries of every held token, or none: scales from some of them would be another statistic.
         if query is not None and self.spec.gathers_queries and (held == 0 or self.query_energy.shape[2]):
-            q_energy = reference.query_energy(query, new.shape[1], held)
+            q_energy = reference.query_energy(query, new.shape[1], self.spec, held)
             if held:
                 q_energy = q_energy + self.query_energy
         if self.spec.waits(held + new.shape[2]):
@@ -232,7 +232,7 @@ class PackedKV(torch.Tensor):
         with its queries' energy fixes them) and the new tokens times them."""
         query_scales = self.query_scales
         if self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2]):
-            query_scales = reference.query_key_scales(q_energy, new)
+            query_scales = reference.query_key_scales(q_energy, new, self.spec)
         return query_scales, reference.by_query_scales(new, query_scales, 1)
 
     def _sinks_and_offset(self, new: torch.Tensor):

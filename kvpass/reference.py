@@ -64,7 +64,7 @@ import math
 
 import torch
 
-from kvpass.config import CENTER_SKIP, CENTER_TOKENS, MIN_HEAD_GROUP, QuantSpec
+from kvpass.config import CENTER_SKIP, MIN_HEAD_GROUP, QuantSpec
 
 SCALE_DTYPE = torch.float16
 # Query scales stay within this factor of their geometric mean (fp16 holds them exactly enough).
@@ -494,31 +494,31 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
 def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.Tensor:
     """The offset of a ``spec.center`` cache whose first append is ``first [B, H, T, D]``,
     ``fp16 [B, H, 1, D]`` in the stored domain: the mean of tokens ``CENTER_SKIP ..
-    CENTER_SKIP + CENTER_TOKENS`` (fp32, then rotated), zero when there are none.
+    CENTER_SKIP + spec.prefix_tokens`` (fp32, then rotated), zero when there are none.
     ``rotator`` is :func:`rotate` or an op computing the same (graphs must not trace its constant)."""
-    typical = first[:, :, CENTER_SKIP : CENTER_SKIP + CENTER_TOKENS].float()
+    typical = first[:, :, CENTER_SKIP : CENTER_SKIP + spec.prefix_tokens].float()
     # A sum over at least one count, not a branch on the length: no guard in traced graphs.
     mean = typical.sum(2, keepdim=True) / torch.sym_max(typical.shape[2], 1)
     return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
 
 
-def query_energy(query: torch.Tensor, kv_heads: int, seen=0) -> torch.Tensor:
+def query_energy(query: torch.Tensor, kv_heads: int, spec: QuantSpec, seen=0) -> torch.Tensor:
     """What :func:`query_key_scales` takes from ``query [B, Hq, T, D]`` (query heads grouped as GQA
     reads ``kv_heads`` KV heads), the queries after ``seen`` earlier ones: ``fp64 [B, kv_heads, 1, D]``,
-    the sum of squares of those of the first ``CENTER_SKIP + CENTER_TOKENS`` queries over tokens and
+    the sum of squares of those of the first ``CENTER_SKIP + spec.prefix_tokens`` queries over tokens and
     each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the
     queries add up to their sum to far below fp32's resolution, where the scales are computed, so a
     cache can gather it over several appends."""
     B, _, _, D = query.shape
-    first = query[:, :, : torch.sym_max(CENTER_SKIP + CENTER_TOKENS - seen, 0)]
+    first = query[:, :, : torch.sym_max(CENTER_SKIP + spec.prefix_tokens - seen, 0)]
     return first.double().pow(2).sum(2).view(B, kv_heads, -1, D).sum(2, keepdim=True)
 
 
-def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """The per-channel scales of a ``spec.query_scaled`` K cache whose first append is ``first
     [B, Hkv, T, D]``, read by queries of energy ``q_energy`` (:func:`query_energy`):
     ``fp16 [B, Hkv, 1, D]``, ``(E[q_c^2] / Var[k_c]) ** (1/4)`` over tokens ``CENTER_SKIP ..
-    CENTER_SKIP + CENTER_TOKENS`` (queries from the first), scaled to a geometric mean of 1 (so
+    CENTER_SKIP + spec.prefix_tokens`` (queries from the first), scaled to a geometric mean of 1 (so
     the energy's sum stands for its mean).
 
     A query reads a key through ``q . k``. After the rotation K's error is spread evenly over the
@@ -528,7 +528,7 @@ def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor) -> torch.Tenso
     (rotate-half) mixes them by position, so their energy is one statistic.
     """
     D = first.shape[-1]
-    stop = CENTER_SKIP + CENTER_TOKENS
+    stop = CENTER_SKIP + spec.prefix_tokens
     q_energy = q_energy[:, :, 0].float()
     k_energy = first[:, :, CENTER_SKIP:stop].float().var(2, correction=0)
     q_energy, k_energy = (e[..., : D // 2] + e[..., D // 2 :] for e in (q_energy, k_energy))

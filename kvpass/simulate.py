@@ -18,7 +18,7 @@ A query-scaled K spec (``QuantSpec.query_scaled``) takes its scales from the que
 layer's first update, which reach attention, never the cache: run the model inside
 :func:`observed_queries`, which hands each attention call's queries to the layer just updated.
 A K spec that defers its prefix (``QuantSpec.defer_prefix``) is read exact until a layer holds
-``PREFIX_MIN_TOKENS`` tokens, as kv4 holds it, and from the next update on quantized as one first
+``spec.prefix_tokens`` tokens, as kv4 holds it, and from the next update on quantized as one first
 append of all the tokens it held then (with all their queries).
 """
 
@@ -107,7 +107,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     if first_update:
         state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)])
         if k_spec is not None and k_spec.defer_prefix:
-            state["queries"] = []  # K waits, exact, for PREFIX_MIN_TOKENS tokens (and their queries)
+            state["queries"] = []  # K waits, exact, for prefix_tokens tokens (and their queries)
     elif "first_keys" in state:
         raise QueriesNotObserved(
             f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
@@ -123,7 +123,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     deferred = "queries" in state
     if deferred or first_update:
         # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
-        # brings the layer to PREFIX_MIN_TOKENS, from all of them, as a first append of them would.
+        # brings the layer to prefix_tokens, from all of them, as a first append of them would.
         # Until then, and in that update (kv4 reads the past it held), K reads exact.
         first_keys = full_k if deferred else key_states
         if deferred and k_spec.waits(full_k.shape[2]):
@@ -181,8 +181,9 @@ def _take_queries(state: dict, query: torch.Tensor) -> None:
             f"queries {tuple(query.shape)} do not read the first keys {tuple(first.shape)}: need the same batch, "
             "tokens and head_dim, and query heads a multiple of the KV heads"
         )
-    state["query_scales"] = query_key_scales(query_energy(query, kv_heads), first)
-    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), state.pop("k_spec"))
+    spec = state.pop("k_spec")
+    state["query_scales"] = query_key_scales(query_energy(query, kv_heads, spec), first, spec)
+    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), spec)
 
 
 def _observing(attention):
@@ -228,7 +229,7 @@ class SimulatedKVCache(DynamicCache):
     layers simulated (default: every attention layer), the others exact.
 
     A K spec that defers its prefix (``QuantSpec.defer_prefix``) keeps a sliding window shorter than
-    ``PREFIX_MIN_TOKENS`` exact for good, as kv4 does."""
+    ``spec.prefix_tokens`` exact for good, as kv4 does."""
 
     def __init__(
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,

@@ -609,7 +609,7 @@ def test_query_scales_are_fixed_by_a_prompt_and_its_queries_and_undone_on_readin
     q, x = _mismatched_queries_and_keys()
     plain_spec = dataclasses.replace(QUERY_SCALED, query_scaled=False)
     p = PackedKV.from_float(x[:, :, :80], QUERY_SCALED, q[:, :, :80]).append(x[:, :, 80:])
-    s = reference.query_key_scales(reference.query_energy(q[:, :, :80], 2), x[:, :, :80])
+    s = reference.query_key_scales(reference.query_energy(q[:, :, :80], 2, QUERY_SCALED), x[:, :, :80], QUERY_SCALED)
     assert p.query_scales.shape == (2, 2, 1, 64) and torch.equal(p.query_scales, s)
     assert torch.equal(s[..., :32], s[..., 32:]) and s[..., 16:32].min() > 4 * s[..., :16].max()
     # Stored: x * s as the plain spec stores it; read back divided by s.
