@@ -6,7 +6,9 @@ Protocol (see ``docs/eval.md``):
   ``chunk`` tokens with the cache carried over (``chunk=1`` is pure decode), so every
   chunk attends to the (quantized) cache of all earlier chunks. Every token after the
   first chunk is scored; the first token of a chunk is scored from the previous chunk's
-  last logits. A plain forward over a window would never read the cache.
+  last logits. A plain forward over a window would never read the cache. ``prefill``
+  makes the first step that many tokens instead (a prompt arriving whole), scored from
+  there on.
 * **Greedy agreement.** ``N`` prompts of ``P`` tokens, taken from the text after the
   perplexity window, are decoded greedily for ``T`` new tokens (as one batch, through the
   forward loop). Per prompt, the agreement is the number of generated tokens identical to
@@ -305,26 +307,29 @@ def progress_bar(total, desc, enabled):
 @torch.no_grad()
 def streaming_nll(
     runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = "",
-    predictions: list | None = None, token_nll: list | None = None,
+    predictions: list | None = None, token_nll: list | None = None, prefill: int | None = None,
 ):  # fmt: skip
     """Summed negative log-likelihood and token count of ``ids [1, N]`` under the streaming protocol.
 
-    Returns ``(nll_sum, n_scored, cache)``: tokens ``chunk .. N-1`` are scored. ``predictions``,
+    The first step feeds ``prefill`` tokens (a prompt arriving whole; default ``chunk``), every
+    later one ``chunk``. Returns ``(nll_sum, n_scored, cache)``: tokens ``prefill .. N-1`` are
+    scored. ``predictions``,
     if given, receives the most likely token at every scored position, and ``token_nll`` each
     scored token's negative log-likelihood, one tensor per chunk.
     """
     if ids.dim() != 2:
         raise ValueError(f"ids must be [batch, tokens], got {tuple(ids.shape)}")
     n = ids.shape[1]
-    if n <= chunk:
-        raise ValueError(f"need more than one chunk of tokens to score: {n} tokens, chunk {chunk}")
+    prefill = chunk if prefill is None else prefill
+    if n <= prefill:
+        raise ValueError(f"need more than the first step's tokens to score: {n} tokens, first step {prefill}")
     cache = runner.new_cache()
     nll = torch.zeros((), dtype=torch.float64)
     scored = 0
     prev_last = None
     bar = progress_bar(n, desc, progress)
-    for start in range(0, n, chunk):
-        piece = ids[:, start : start + chunk]
+    for start, stop in zip([0, *range(prefill, n, chunk)], [*range(prefill, n, chunk), n]):
+        piece = ids[:, start:stop]
         out = runner.step(input_ids=piece, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         logits = out.logits.float()
@@ -462,6 +467,8 @@ class Settings:
     greedy: bool = True
     # Windows of each context scored from an empty cache and pooled: more tokens, smaller error bars.
     windows: int = 1
+    # Tokens of a window's first step, a prompt arriving whole (None: one chunk).
+    prefill: int | None = None
 
 
 def evaluate(
@@ -522,7 +529,8 @@ def evaluate(
                     log.exception("greedy run of %s failed", method.name)
                 greedy_s = time.perf_counter() - t0
             for ctx in settings.contexts:
-                row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk)
+                row = dict(method=method.name, scheme=method.scheme, text=text_name, ctx=ctx, chunk=settings.chunk,
+                           prefill=settings.prefill or settings.chunk)  # fmt: skip
                 if method.kind in ("kv4", "sim"):
                     row.update({f"fp16_ratio_{n // 1024}k": method.fp16_ratio(n, kv_heads, head_dim)
                                 for n in (4096, 16384)})  # fmt: skip
@@ -540,7 +548,8 @@ def evaluate(
                                 token_nll = []
                                 desc = f"{method.name} {text_name} {ctx}" + (f" window {w + 1}/{len(windows)}" if len(windows) > 1 else "")
                                 window_nll, window_count, cache = streaming_nll(
-                                    runner, window[None], settings.chunk, progress, desc, predictions, token_nll
+                                    runner, window[None], settings.chunk, progress, desc, predictions, token_nll,
+                                    settings.prefill,
                                 )  # fmt: skip
                                 nll, count = nll + window_nll, count + window_count
                                 blocks += block_sums(token_nll, NLL_BLOCK)
@@ -646,6 +655,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
     parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
     parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
+    parser.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
+                        help="tokens of each window's first step, a prompt arriving whole; scoring starts after them "
+                             "(default: one chunk)")
     parser.add_argument("--windows", type=int, default=1,
                         help="score this many consecutive windows of each context, each from an empty cache, pooled (default 1)")
     parser.add_argument("--against", metavar="METHOD",
@@ -689,9 +701,14 @@ def run(args) -> int:
     settings = Settings(
         contexts=tuple(int(c) for c in args.contexts.split(",")), chunk=args.chunk, prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy, windows=args.windows,
+        prefill=args.prefill,
     )  # fmt: skip
     if settings.windows < 1:
         raise ValueError(f"--windows must be 1 or more, got {settings.windows}")
+    if settings.prefill is not None and not 1 <= settings.prefill < min(settings.contexts):
+        raise ValueError(
+            f"--prefill must be at least 1 and under the shortest context {min(settings.contexts)}, got {settings.prefill}"
+        )
     if args.against is not None and args.against not in [m.name for m in methods]:
         raise ValueError(f"--against {args.against!r} is not among --methods {[m.name for m in methods]}")
     t_start = time.perf_counter()
@@ -735,7 +752,8 @@ def run(args) -> int:
     info["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     save()
     print(format_table(rows))
-    print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)} x {settings.windows} window(s), chunk {settings.chunk}; "
+    print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)} x {settings.windows} window(s), chunk {settings.chunk}"
+          + (f" after a prefill of {settings.prefill}" if settings.prefill else "") + "; "
           f"greedy: {settings.prompts} prompts x {settings.new_tokens} tokens after {settings.prompt_tokens}-token prompts; "
           f"{info['elapsed_s']:.0f} s")  # fmt: skip
     if args.markdown:
@@ -746,7 +764,7 @@ def run(args) -> int:
             f"Model: {info['model']}, {args.dtype}. Machine: {m['cores']} CPU threads, Python {m['python']}, "
             f"torch {m['torch']}, transformers {m['transformers']}, {m['date']}. Total time {info['elapsed_s']:.0f} s.", "",
             f"Streaming perplexity: chunk {settings.chunk}, {settings.windows} window(s) per context, scored tokens after "
-            f"each window's first chunk. Greedy agreement: "
+            f"each window's first {f'{settings.prefill} tokens' if settings.prefill else 'chunk'}. Greedy agreement: "
             f"{settings.prompts} prompts of {settings.prompt_tokens} tokens x {settings.new_tokens} new tokens.", "",
             format_table(rows, markdown=True), "",
             "Schemes: " + "; ".join(f"`{k}` = {v}" for k, v in info["methods"].items()),

@@ -47,11 +47,27 @@ def test_chunk_size_does_not_change_fp_perplexity(model):
         assert nll - head == pytest.approx(nll32, rel=1e-5)
 
 
+def test_a_prefill_is_the_first_step_and_scoring_starts_after_it(model):
+    ids = _tokens(96)[None]
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    full = model(input_ids=ids).logits.double().log_softmax(-1)
+    nll, n, _ = kv_eval.streaming_nll(runner, ids, 8, prefill=50)
+    assert n == 46 and nll == pytest.approx(-full[0, 49:-1].gather(-1, ids[0, 50:, None]).sum().item(), rel=1e-5)
+    steps = []
+    kv4_runner = kv_eval.Runner(model, kv_eval.parse_method("kv4"))
+    real_step = kv4_runner.step
+    kv4_runner.step = lambda **kw: steps.append(kw["input_ids"].shape[1]) or real_step(**kw)
+    kv_eval.streaming_nll(kv4_runner, ids, 8, prefill=50)
+    assert steps == [50, 8, 8, 8, 8, 8, 6]
+    with pytest.raises(ValueError, match="need more than the first step's tokens to score: 96 tokens, first step 96"):
+        kv_eval.streaming_nll(runner, ids, 8, prefill=96)
+
+
 # Sinks, offset, query scales and a deferred prefix need heads of 32 channels or more: the zoo's
 # Llama has 16, kv_heavy_llama 64.
-@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4"])
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96"])
 def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
-    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4"):
+    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96"):  # kp96: K waits through three chunks
         model = kv_heavy_llama(layers=1)
     ids = _tokens(160, seed=1)[None]
     ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
@@ -249,6 +265,10 @@ def test_method_names():
     assert kv_eval.parse_method("bf16").store_dtype == torch.bfloat16
     assert kv_eval.parse_method("kv4-qs").backend_kwargs == {"k_query_scaled": True}
     assert kv_eval.parse_method("sim-kv4-qs").specs[0].query_scaled
+    # -kpN: K's prefix statistics over up to N tokens, and a deferring K waits for N
+    assert kv_eval.parse_method("kv4-kp512").specs[0] == dataclasses.replace(KVConfig().k, prefix_tokens=512)
+    with pytest.raises(ValueError, match="prefix_tokens=256 needs center, query_scaled or defer_prefix"):
+        kv_eval.parse_method("kv4-rot-kp256")
 
 
 def test_kjv_stripping():

@@ -8,6 +8,7 @@ import platform
 import pytest
 import torch
 
+import kvpass
 from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec
 from kvpass import packed, reference
 from kvpass.packed import PackedKV
@@ -764,3 +765,44 @@ def test_defer_prefix_setting_is_checked_and_static_caches_and_narrow_heads_stri
 def test_regrowth_can_return_freed_heap_memory_on_glibc():
     # Without it a CPU regrowth's copy lands on top of the freed memory glibc keeps (docs/bench-memory.md).
     assert packed._malloc_trim() is not None
+
+
+LONG_PREFIX = dataclasses.replace(DEFERRED, prefix_tokens=160)
+
+
+def test_prefix_tokens_set_the_tokens_k_statistics_come_from_and_how_long_a_deferred_k_waits():
+    """``prefix_tokens=160``: the offset and query scales come from tokens 4-163 of a first append
+    (a longer one fixes the same, where 64 would have stopped at 67), and a deferring K holds every
+    token until 160, then stores what ``from_float`` stores for them."""
+    q, x = _mismatched_queries_and_keys(240)
+    x = x.to(torch.bfloat16)
+
+    def statistics(n, spec):
+        p = PackedKV.from_float(x[:, :, :n], spec, q[:, :, :n])
+        return p.offset, p.query_scales
+
+    for spec, tokens in ((dataclasses.replace(LONG_PREFIX, defer_prefix=False), 164), (QUERY_SCALED, 68)):
+        assert all(map(torch.equal, statistics(tokens, spec), statistics(240, spec)))
+        assert not any(map(torch.equal, statistics(tokens - 1, spec), statistics(240, spec)))
+    assert not any(map(torch.equal, statistics(240, LONG_PREFIX), statistics(240, QUERY_SCALED)))
+    p = PackedKV.from_float(x[:, :, :0], LONG_PREFIX)
+    for start in range(0, 150, 50):  # 0-49, 50-99, 100-149 held
+        p = p.append(x[:, :, start : start + 50], q[:, :, start : start + 50])
+        assert p._waiting and p.codes.shape[2] == 0 and p.stored_bytes() == p.numel() * 2 + 2 * 2 * 64 * 8
+    held = p.dequantize()
+    p = p.append(x[:, :, 150:170], q[:, :, 150:170])
+    expected = PackedKV.from_float(torch.cat([held, x[:, :, 150:170]], 2), LONG_PREFIX, q[:, :, :170])
+    assert not p._waiting and p.n_head == 4
+    for name in p.__tensor_flatten__()[0]:
+        assert torch.equal(getattr(p, name), getattr(expected, name)), name
+
+
+def test_prefix_tokens_setting_is_checked_tagged_and_stripped_with_what_uses_it():
+    assert LONG_PREFIX.tag.endswith(":qs:p160:dp") and QuantSpec.from_tag(LONG_PREFIX.tag) == LONG_PREFIX
+    assert ":p" not in DEFERRED.tag  # 64, the default, keeps the tags measured before
+    with pytest.raises(ValueError, match=r"prefix_tokens must be an int >= 64 .* got 32"):
+        dataclasses.replace(DEFERRED, prefix_tokens=32)
+    with pytest.raises(ValueError, match="prefix_tokens=128 needs center, query_scaled or defer_prefix"):
+        QuantSpec(4, "token", 64, sinks=4, prefix_tokens=128)
+    assert LONG_PREFIX.for_slots.prefix_tokens == LONG_PREFIX.for_head_dim(16).prefix_tokens == 64
+    assert kvpass.kv4(k_prefix_tokens=512).config.k == dataclasses.replace(KVConfig().k, prefix_tokens=512)
