@@ -1262,6 +1262,15 @@ def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list
     return dataclasses.replace(config, **specs)
 
 
+def _sliding_kept(write: _CacheWrite) -> int | None:
+    """How many tokens a sliding layer's eviction (``full[:, :, -kept:]``) keeps; None for other caches."""
+    for eviction in write.evictions:
+        start = eviction.args[1][2].start
+        if isinstance(start, int) and start < 0 and eviction.args[1][2].stop is None:
+            return -start
+    return None
+
+
 def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
     seen, todo = set(), [node]
     while todo and len(seen) < limit:
@@ -1320,6 +1329,10 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
                 log.info("kvpass: site %d (%s): %s", index, module, notes[-1])
+        kept = _sliding_kept(k)
+        if site_config.k.defer_prefix and kept is not None and kept + 1 < site_config.k.prefix_tokens:
+            notes.append(f"K's sliding window keeps {kept} tokens, under the {site_config.k.prefix_tokens} its prefix "
+                         "waits for: fed one token at a time, its K stays 16-bit")  # fmt: skip
         query = None
         # A first write fixes query scales from its queries; a cache waiting for its prefix gathers them.
         if site_config.k.query_scaled and (k.past is None or site_config.k.defer_prefix) and not _is_static(k):

@@ -379,3 +379,25 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
     notes = {site.module: site.reason for site in decode.sites}
     assert "keeps its K spec int8:" in notes["model.layers.2.self_attn"]
     assert notes["model.layers.0.self_attn"] == ""
+
+
+@torch.no_grad()
+def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wait_for_good():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=100,
+                           max_position_embeddings=512)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    for prefix_tokens, note in ((64, ""), (128, "K's sliding window keeps 99 tokens, under the 128 its prefix waits for")):
+        torch._dynamo.reset()
+        backend = kvpass.kv4(k_prefix_tokens=prefix_tokens)
+        step = torch.compile(model, backend=backend)
+        out = step(input_ids=_ids(90), past_key_values=DynamicCache(config=config), use_cache=True)
+        for _ in range(10):  # to 100 tokens seen, 99 kept
+            out = step(input_ids=_ids(1), past_key_values=out.past_key_values, use_cache=True)
+        keys = out.past_key_values.layers[0].keys
+        assert keys._waiting == (prefix_tokens == 128) and keys.shape[2] == 99
+        assert backend.graphs[-1].sites[0].reason.startswith(note)
