@@ -107,8 +107,9 @@ class QuantSpec:
     one of 6 to 63 tokens keeps just its first token as a sink (:meth:`prefix`).
     ``defer_prefix=True`` (with sinks, an offset or query scales) holds a shorter first append's
     tokens unquantized instead, in the residual, with their queries' energy, until the cache holds
-    ``prefix_tokens`` (``PREFIX_MIN_TOKENS`` unless set higher): the append that brings it there quantizes all of them as one first append
-    (so a chat from a short prompt keeps all three). Until then K costs 16 bits a value. A cache pays for
+    ``prefix_tokens`` (``PREFIX_MIN_TOKENS`` unless set higher): the append that brings it there
+    quantizes all of them as one first append (so a chat from a short prompt keeps all three). Until
+    then K costs what the model's dtype does (16 bits a value in a 16-bit model). A cache pays for
     what it took with fewer refined tokens (:meth:`plane_cost`: 15 for 4 sinks and an offset; for
     one sink, 1 in groups under 64 channels, else none) for as long as it holds them or its offset,
     so from 128 tokens on a long prompt's cache stores no more than it would without them (a short
@@ -116,8 +117,8 @@ class QuantSpec:
 
     ``prefix_tokens`` (default ``CENTER_TOKENS``, 64) is how many tokens after the sinks the offset
     and query scales are computed over, at most (a longer first append gives them more), and what a
-    ``defer_prefix`` cache waits for: more tokens make steadier statistics, and a deferring cache
-    pays for them with 16-bit K until it holds that many.
+    ``defer_prefix`` cache waits for, its K unquantized until then. At 512, what gains is that exact K
+    in shorter caches; the longer statistics gain nothing (docs/eval.md, nineteenth run).
     """
 
     bits: int = 4

@@ -8,7 +8,9 @@ others), how many tokens a sliding-window layer keeps, and how many KV heads the
 ``kvpass.models_zoo`` name, or a ``PretrainedConfig``) or from explicit
 ``(layers, kv_heads, head_dim)``.
 
-kv4 is costed as the backend's default stores it: 4-bit codes plus, per group, a 16-bit
+kv4 is costed as the backend's default stores it (other ``kvpass.kv4`` settings through
+``kv4_settings``, ``--kv4-setting NAME=VALUE``; unquantized tokens in 16 bits, as a 16-bit model
+holds them): 4-bit codes plus, per group, a 16-bit
 scale (and a 16-bit zero point when asymmetric); groups still under 16 values (one KV head of 8
 channels) keep 8-bit scales. A per-token group spans
 ``gcd(group, head_dim)`` channels of one token (64 at head_dim 128); with ``k_scheme="channel"`` a K group spans ``k_group`` tokens of one
@@ -26,7 +28,9 @@ more; a prompt of 6 to 63 keeps one sink, paid for by one refined token at head_
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -48,6 +52,9 @@ _FIXED_BITS = {"fp16": 16, "fp8": 8, "int8": 8}
 _DEFAULT = KVConfig()
 K_GROUP = _DEFAULT.k.group
 V_GROUP = _DEFAULT.v.group
+
+# kvpass.kv4 arguments the estimate takes through its own options, or that change no byte.
+_OWN_KV4_OPTIONS = ("k_group", "v_group", "k_layer_bits", "inner", "debug", "debug_dir")
 
 DEFAULT_CONTEXTS = (4096, 32768, 131072)
 DEFAULT_BATCHES = (1,)
@@ -125,13 +132,13 @@ def _check_format(fmt: str) -> None:
 
 
 def element_bits(
-    fmt: str, sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP
+    fmt: str, sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP, kv4_settings: dict | None = None
 ) -> tuple[float, float]:
     """Bits per stored K element and per V element in ``fmt``, scale overhead included."""
     _check_format(fmt)
     if fmt != "kv4":
         return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
-    return _spec_bits(sizes, *_kv4_specs(sizes, k_group, v_group))
+    return _spec_bits(sizes, *_kv4_specs(sizes, k_group, v_group, kv4_settings))
 
 
 def _spec_bits(sizes: KVSizes, k_spec: QuantSpec, v_spec: QuantSpec) -> tuple[float, float]:
@@ -141,14 +148,25 @@ def _spec_bits(sizes: KVSizes, k_spec: QuantSpec, v_spec: QuantSpec) -> tuple[fl
     )
 
 
-def _kv4_specs(sizes: KVSizes, k_group: int, v_group: int) -> tuple[QuantSpec, QuantSpec]:
-    """The default K and V specs with these groups, as kv4 stores heads of these sizes."""
+def _kv4_specs(
+    sizes: KVSizes, k_group: int, v_group: int, kv4_settings: dict | None = None
+) -> tuple[QuantSpec, QuantSpec]:
+    """The K and V specs of ``kvpass.kv4(k_group=..., v_group=..., **kv4_settings)`` (the defaults
+    with these groups when there are no other settings), as kv4 stores heads of these sizes."""
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
-    return (
-        dataclasses.replace(_DEFAULT.k, group=k_group).for_head_dim(sizes.k_head_dim),
-        dataclasses.replace(_DEFAULT.v, group=v_group).for_head_dim(sizes.v_head_dim),
-    )
+    if kv4_settings:
+        from kvpass.backend import kv4  # the backend's own defaults and checks
+
+        accepted = [name for name in inspect.signature(kv4).parameters if name not in _OWN_KV4_OPTIONS]
+        unknown = [name for name in kv4_settings if name not in accepted]
+        if unknown:
+            raise ValueError(f"kv4 settings {unknown} are not kvpass.kv4 settings the estimate takes; those are {accepted}")
+        config = kv4(k_group=k_group, v_group=v_group, **kv4_settings).config
+        k_spec, v_spec = config.k, config.v
+    else:
+        k_spec, v_spec = (dataclasses.replace(_DEFAULT.k, group=k_group), dataclasses.replace(_DEFAULT.v, group=v_group))
+    return k_spec.for_head_dim(sizes.k_head_dim), v_spec.for_head_dim(sizes.v_head_dim)
 
 
 def _layer_token_bytes(sizes: KVSizes, k_bits: float, v_bits: float) -> float:
@@ -156,11 +174,11 @@ def _layer_token_bytes(sizes: KVSizes, k_bits: float, v_bits: float) -> float:
 
 
 def _kv4_layer_specs(
-    sizes: KVSizes, k_group: int, v_group: int, k_layer_bits: dict[int, int] | None
+    sizes: KVSizes, k_group: int, v_group: int, k_layer_bits: dict[int, int] | None, kv4_settings: dict | None = None
 ) -> list[tuple[str, QuantSpec, QuantSpec]]:
     """``(kind, K spec, V spec)`` of every KV layer as kv4 stores it, K's bits overridden in the
     layers ``k_layer_bits`` names (as ``kvpass.kv4(k_layer_bits=...)`` does)."""
-    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group, kv4_settings)
     kinds = sizes.layer_kinds()
     bits_by_layer = dict(k_layer_bits or {})
     for layer, bits in bits_by_layer.items():
@@ -209,27 +227,30 @@ def kv_bytes_per_token(
     k_group: int = K_GROUP,
     v_group: int = V_GROUP,
     k_layer_bits: dict[int, int] | None = None,
+    kv4_settings: dict | None = None,
 ) -> float:
     """Bytes one more token adds to one sequence's cache, over all KV layers.
 
     This is the cost while the context fits in every sliding window; past it, sliding
     layers stop growing (see :func:`kv_cache_bytes`). ``source`` is anything
-    :func:`kv_sizes` accepts; ``k_layer_bits`` (kv4 only) as ``kvpass.kv4`` takes it.
+    :func:`kv_sizes` accepts; ``k_layer_bits`` and ``kv4_settings`` (other keyword arguments
+    of ``kvpass.kv4``) are kv4's, as ``kvpass.kv4`` takes them.
     """
     sizes = kv_sizes(source)
-    _check_kv4_only(fmt, k_layer_bits)
+    _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     if fmt != "kv4":
         return sizes.layers * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
     return sum(
         _layer_token_bytes(sizes, *_spec_bits(sizes, k_spec, v_spec))
-        for _, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
+        for _, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
     )
 
 
-def _check_kv4_only(fmt: str, k_layer_bits: dict[int, int] | None) -> None:
+def _check_kv4_only(fmt: str, k_layer_bits: dict[int, int] | None, kv4_settings: dict | None = None) -> None:
     _check_format(fmt)
-    if k_layer_bits and fmt != "kv4":
-        raise ValueError(f"k_layer_bits applies to kv4 only, not to {fmt!r}")
+    for name, value in (("k_layer_bits", k_layer_bits), ("kv4_settings", kv4_settings)):
+        if value and fmt != "kv4":
+            raise ValueError(f"{name} applies to kv4 only, not to {fmt!r}")
 
 
 def kv_cache_bytes(
@@ -240,19 +261,20 @@ def kv_cache_bytes(
     k_group: int = K_GROUP,
     v_group: int = V_GROUP,
     k_layer_bits: dict[int, int] | None = None,
+    kv4_settings: dict | None = None,
 ) -> float:
     """Bytes of the whole cache for ``batch`` sequences of ``context`` tokens each (kv4 with
-    ``k_layer_bits`` as ``kvpass.kv4`` takes it)."""
+    ``k_layer_bits`` and ``kv4_settings`` as ``kvpass.kv4`` takes them)."""
     _check_positive_int("context", context)
     _check_positive_int("batch", batch)
-    _check_kv4_only(fmt, k_layer_bits)
+    _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     sizes = kv_sizes(source)
     if fmt != "kv4":
         return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
     held = {"full": context, "sliding": sizes.sliding_held(context)}
     return batch * sum(
         _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, held[kind])
-        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits)
+        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
         for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
     )
 
@@ -475,14 +497,16 @@ def estimate_rows(
     k_group: int = K_GROUP,
     v_group: int = V_GROUP,
     k_layer_bits: dict[int, int] | None = None,
+    kv4_settings: dict | None = None,
 ) -> list[dict[str, float]]:
-    """One row per (context, batch): total cache bytes in every format (kv4's with ``k_layer_bits``)."""
+    """One row per (context, batch): total cache bytes in every format (kv4's with ``k_layer_bits``
+    and ``kv4_settings``)."""
     sizes = kv_sizes(source)
     return [
         {
             "context": c,
             "batch": b,
-            **{f: kv_cache_bytes(sizes, f, c, b, k_group, v_group, k_layer_bits if f == "kv4" else None)
+            **{f: kv_cache_bytes(sizes, f, c, b, k_group, v_group, *((k_layer_bits, kv4_settings) if f == "kv4" else ()))
                for f in FORMATS},
         }
         for c in contexts
@@ -517,7 +541,8 @@ def format_table(rows: Sequence[dict[str, float]]) -> str:
 
 
 def describe(
-    sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP, k_layer_bits: dict[int, int] | None = None
+    sizes: KVSizes, k_group: int = K_GROUP, v_group: int = V_GROUP, k_layer_bits: dict[int, int] | None = None,
+    kv4_settings: dict | None = None,
 ) -> str:
     """Header lines: the sizes used, per-token bytes per format, and how they were counted."""
     dims = (
@@ -525,35 +550,27 @@ def describe(
         if sizes.k_head_dim == sizes.v_head_dim
         else f"K dim {sizes.k_head_dim}, V dim {sizes.v_head_dim}"
     )
-    k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group)
-    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group)
+    k_bits, v_bits = element_bits("kv4", sizes, k_group, v_group, kv4_settings)
+    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group, kv4_settings)
     k_span = reference.scale_span(k_spec, sizes.kv_heads, sizes.k_head_dim)
     v_span = reference.scale_span(v_spec, sizes.kv_heads, sizes.v_head_dim)
     k_unit = "channels per token" if k_spec.scheme == "token" else "tokens per channel"
     k_scale, v_scale = (reference.scale_bits(spec, sizes.kv_heads, dim) for spec, dim in
                         ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim)))  # fmt: skip
-    short_cost = k_spec.plane_cost(SHORT_PREFIX_SINKS, False, sizes.k_head_dim)
-    extras = (
-        f"the newest min({_DEFAULT.v.refine}, tokens / {REFINE_SHARE}) tokens of each layer twice "
-        "(a second code plane); "
-        f"K's first {k_spec.sinks} tokens in fp16 and an fp16 offset per KV head, paid for by "
-        f"{k_spec.plane_cost(k_spec.sinks, True, sizes.k_head_dim)} fewer second-plane K tokens (prompts of "
-        f"{PREFIX_MIN_TOKENS}+ tokens; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, "
-        + (f"for {short_cost}); " if short_cost else "unpaid); ")
-        + (f"an fp16 row of K query scales per KV head (prompts of {PREFIX_MIN_TOKENS}+ tokens); " if k_spec.query_scaled else "")
-        if k_spec.refine else f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels); "
-    )
+    extras = "".join(f"{part}; " for part in _kv4_extras(sizes, k_spec, v_spec))
     by_bits: dict[int, list[int]] = {}
     for layer, bits in sorted((k_layer_bits or {}).items()):
         by_bits.setdefault(bits, []).append(layer)
     overrides = [f"kv4 K in int{bits} in layer{'s' if len(layers) > 1 else ''} {_ranges(layers)} (k_layer_bits)"
                  for bits, layers in by_bits.items()]  # fmt: skip
+    if kv4_settings:
+        overrides.append("kv4 settings: " + ", ".join(f"{name}={value!r}" for name, value in kv4_settings.items()))
     lines = [
         f"{sizes.name}: {_plural(sizes.layers, 'KV layer')}, "
         f"{_plural(sizes.kv_heads, 'KV head')}, {dims}",
         "per token: "
         + ", ".join(
-            f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group, k_layer_bits if f == 'kv4' else None))}"
+            f"{f} {human_bytes(kv_bytes_per_token(sizes, f, k_group, v_group, *((k_layer_bits, kv4_settings) if f == 'kv4' else ())))}"
             for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element ({k_scale} scale bits per {k_span} {k_unit}), "
@@ -563,6 +580,30 @@ def describe(
         *sizes.notes,
     ]
     return "\n".join(lines)
+
+
+def _kv4_extras(sizes: KVSizes, k_spec: QuantSpec, v_spec: QuantSpec) -> list[str]:
+    """What kv4 stores beyond one plane of codes and scales, in words, for :func:`describe`."""
+    if sizes.k_head_dim < MIN_EXTRAS_HEAD_DIM:
+        return [f"no second plane, sinks or offset (heads under {MIN_EXTRAS_HEAD_DIM} channels)"]
+    parts = []
+    if k_spec.refine or v_spec.refine:
+        parts.append(f"the newest min({max(k_spec.refine, v_spec.refine)}, tokens / {REFINE_SHARE}) tokens of each "
+                     "layer twice (a second code plane)")  # fmt: skip
+    held = [f"K's first {k_spec.sinks} tokens in fp16" if k_spec.sinks else "",
+            "an fp16 offset per KV head" if k_spec.center else ""]  # fmt: skip
+    if k_spec.sinks or k_spec.center:
+        cost = k_spec.plane_cost(k_spec.sinks, k_spec.center, sizes.k_head_dim) if k_spec.refine else 0
+        short_cost = k_spec.plane_cost(SHORT_PREFIX_SINKS, False, sizes.k_head_dim) if k_spec.refine else 0
+        short = (f"; of {SHORT_PREFIX_MIN_TOKENS}+, the first token, " + (f"for {short_cost}" if short_cost else "unpaid")
+                 if k_spec.sinks else "")  # fmt: skip
+        parts.append(" and ".join(filter(None, held)) + (f", paid for by {cost} fewer second-plane K tokens" if cost else "")
+                     + f" (prompts of {PREFIX_MIN_TOKENS}+ tokens{short})")  # fmt: skip
+    if k_spec.query_scaled:
+        parts.append(f"an fp16 row of K query scales per KV head (prompts of {PREFIX_MIN_TOKENS}+ tokens)")
+    if k_spec.defer_prefix:
+        parts.append(f"K in 16 bits until a cache holds {k_spec.prefix_tokens} tokens (defer_prefix)")
+    return parts
 
 
 def _plural(n: int, noun: str) -> str:
@@ -575,6 +616,18 @@ def _layer_bits(text: str) -> tuple[int, int]:
     if not (layer.isdigit() and bits.isdigit()):
         raise argparse.ArgumentTypeError(f"expected LAYER:BITS such as 11:8, got {text!r}")
     return int(layer), int(bits)
+
+
+def _kv4_setting(text: str) -> tuple[str, Any]:
+    """argparse type: ``'k_prefix_tokens=512'`` -> ``('k_prefix_tokens', 512)``, a keyword argument of
+    ``kvpass.kv4`` and its value (a Python literal, else the text itself)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as k_prefix_tokens=512, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
 
 
 def _tokens(text: str) -> int:
@@ -639,6 +692,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LAYER:BITS",
         help="kv4 K bits in chosen layers, as kvpass.kv4(k_layer_bits=...) stores them: 11:8 13:8",
     )
+    parser.add_argument(
+        "--kv4-setting",
+        dest="kv4_settings",
+        type=_kv4_setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another kvpass.kv4 keyword argument for the kv4 column, e.g. k_prefix_tokens=512 or "
+        "k_defer_prefix=False (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -663,8 +726,9 @@ def run(args: argparse.Namespace) -> int:
     v_group = getattr(args, "v_group", V_GROUP)
     sizes = kv_sizes(source)
     k_layer_bits = dict(getattr(args, "k_layer_bits", []))
-    rows = estimate_rows(sizes, args.context, args.batch, k_group, v_group, k_layer_bits)
-    print(describe(sizes, k_group, v_group, k_layer_bits))
+    kv4_settings = dict(getattr(args, "kv4_settings", []))
+    rows = estimate_rows(sizes, args.context, args.batch, k_group, v_group, k_layer_bits, kv4_settings)
+    print(describe(sizes, k_group, v_group, k_layer_bits, kv4_settings))
     print()
     print(format_table(rows))
     return 0

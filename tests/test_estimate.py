@@ -440,8 +440,12 @@ def test_run_rejects_mixed_or_missing_sources():
 # ------------------------------------------------------------- what a compiled model stores
 
 
-@pytest.mark.parametrize("name, k_layer_bits", [("gemma3", {}), ("gemma3", {1: 8}), ("lfm2", {1: 8})])
-def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits):
+@pytest.mark.parametrize("name, k_layer_bits, settings", [
+    ("gemma3", {}, {}), ("gemma3", {1: 8}, {}), ("lfm2", {1: 8}, {}),
+    ("gemma3", {}, {"k_prefix_tokens": 128}),  # 70 tokens: K waits in both layers
+    ("gemma3", {}, {"k_defer_prefix": False, "refine": 0, "k_query_scaled": False}),
+])  # fmt: skip
+def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, settings):
     # gemma3: a sliding layer (window 32) then a full one; lfm2: a conv layer then attention.
     import torch
     from transformers import DynamicCache
@@ -450,14 +454,17 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits):
     from kvpass.models_zoo import build
     from tests.helpers import packed_and_fp16_bytes
 
-    model = build(name).eval()
+    # bf16: the estimate costs unquantized tokens (a waiting K's) in 16 bits, as a 16-bit model holds them.
+    model = build(name).to(torch.bfloat16).eval()
     torch._dynamo.reset()
-    step = torch.compile(model, backend=kvpass.kv4(k_layer_bits=k_layer_bits))
+    step = torch.compile(model, backend=kvpass.kv4(k_layer_bits=k_layer_bits, **settings))
     ids = torch.randint(3, 200, (2, 70))
     with torch.no_grad():
         out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
     stored, _ = packed_and_fp16_bytes(out.past_key_values)
-    assert stored == kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
+    assert stored == kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits, kv4_settings=settings)
+    if settings:
+        assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
 
 def test_run_costs_int8_keys_in_the_layers_named(capsys):
@@ -474,3 +481,20 @@ def test_run_costs_int8_keys_in_the_layers_named(capsys):
         kv_cache_bytes("gemma3", "fp16", 70, k_layer_bits={1: 8})
     with pytest.raises(SystemExit):
         parse(["--model", "gemma3", "--k-layer-bits", "1-8"])
+
+
+def test_run_costs_other_kv4_settings_and_names_the_ones_it_does_not_take(capsys):
+    args = parse(["--model", "gemma3", "--context", "70", "--kv4-setting", "k_prefix_tokens=128",
+                  "--kv4-setting", "k_defer_prefix=True"])  # fmt: skip
+    assert estimate.run(args) == 0
+    out = capsys.readouterr().out
+    assert "kv4 settings: k_prefix_tokens=128, k_defer_prefix=True" in out
+    assert "K in 16 bits until a cache holds 128 tokens (defer_prefix)" in out
+    settings = {"k_prefix_tokens": 128, "k_defer_prefix": True}
+    assert estimate.human_bytes(kv_cache_bytes("gemma3", "kv4", 70, kv4_settings=settings)) in out
+    with pytest.raises(ValueError, match=r"kv4 settings \['k_group'\] are not kvpass.kv4 settings the estimate takes"):
+        kv_cache_bytes("gemma3", "kv4", 70, kv4_settings={"k_group": 32})
+    with pytest.raises(ValueError, match="kv4_settings applies to kv4 only, not to 'int8'"):
+        kv_cache_bytes("gemma3", "int8", 70, kv4_settings=settings)
+    with pytest.raises(SystemExit):
+        parse(["--model", "gemma3", "--kv4-setting", "k_prefix_tokens"])
