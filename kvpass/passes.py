@@ -1332,7 +1332,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         kept = _sliding_kept(k)
         if site_config.k.defer_prefix and kept is not None and kept + 1 < site_config.k.prefix_tokens:
             notes.append(f"K's sliding window keeps {kept} tokens, under the {site_config.k.prefix_tokens} its prefix "
-                         "waits for: fed one token at a time, its K stays 16-bit")  # fmt: skip
+                         "waits for: from a shorter prompt on, its K stays unquantized")  # fmt: skip
         query = None
         # A first write fixes query scales from its queries; a cache waiting for its prefix gathers them.
         if site_config.k.query_scaled and (k.past is None or site_config.k.defer_prefix) and not _is_static(k):
