@@ -43,6 +43,7 @@ from kvpass.config import (
     QuantSpec,
 )  # fmt: skip
 from kvpass import reference
+from kvpass.backend import kv4
 
 logger = logging.getLogger("kvpass")
 
@@ -155,9 +156,7 @@ def _kv4_specs(
     with these groups when there are no other settings), as kv4 stores heads of these sizes."""
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
-    if kv4_settings:
-        from kvpass.backend import kv4  # the backend's own defaults and checks
-
+    if kv4_settings:  # the backend's own defaults and checks
         accepted = [name for name in inspect.signature(kv4).parameters if name not in _OWN_KV4_OPTIONS]
         unknown = [name for name in kv4_settings if name not in accepted]
         if unknown:
