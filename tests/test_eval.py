@@ -552,3 +552,23 @@ def test_fp_token_method_names_and_bytes():
     extra = (4 * (128 - 34) + 128 - 15 * 34) / (4096 * 4 * 64)
     assert real.fp16_ratio(4096, 3, 64) == pytest.approx(plain + extra)
     assert real.fp16_ratio(4096, 3, 64) < plain
+
+
+def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "eval_regions.py"
+    spec = importlib.util.spec_from_file_location("eval_regions", path)
+    eval_regions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eval_regions)
+    # Two windows of 320 tokens after a 64-token first step: 4 blocks each, blocks 0-1 before token 192.
+    base = [10.0, 10.0, 10.0, 10.0] * 2
+    mine = [11.0, 11.5, 10.0, 10.2, 11.0, 10.5, 10.0, 9.8]
+    rows = [dict(method="a", ctx=320, chunk=64, prefill=64, nll_blocks=mine), dict(method="b", nll_blocks=base)]
+    regions = eval_regions.region_changes(rows, "a", "b", 192)
+    (early, n_early, change_early, se_early), (late, n_late, change_late, se_late) = regions
+    assert (early, n_early, late, n_late) == ("tokens 64-191", 256, "tokens 192-319", 256)
+    assert change_early == pytest.approx(100 * (math.exp(4.0 / 256) - 1))
+    assert change_late == pytest.approx(0.0, abs=1e-12)
+    assert se_early == kv_eval.paired_delta_se([11.0, 11.5, 11.0, 10.5], [10.0] * 4, 256)
