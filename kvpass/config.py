@@ -98,6 +98,13 @@ class QuantSpec:
     (:func:`kvpass.reference.query_key_scales`), so the quantization error lands in the channels the
     queries read least.
 
+    ``query_rounded=True`` (K's symmetric per-token scheme, no window, groups within a head) chooses
+    each group's codes against the queries of the append that quantizes it instead of rounding to
+    nearest (the scales stay the same): the channels are rounded one after another, each passing its
+    error on to the later ones so that what the queries read of it, ``q . e``, stays small
+    (:func:`kvpass.reference.rounding_coefficients`). The same bytes; an append without queries (a
+    static cache's slot write, a site whose query comes after its cache update) rounds to nearest.
+
     ``span_heads=True`` (per-token scheme) makes a token's group all channels of
     ``heads_per_group(H, D)`` consecutive heads instead (scale shape ``[B, H // n, S, 1]``): for
     heads so narrow that their own groups would be mostly scale (:meth:`for_head_dim`). The
@@ -150,6 +157,8 @@ class QuantSpec:
     defer_prefix: bool = False
     # Tokens after the sinks whose statistics fix the offset and query scales, at most.
     prefix_tokens: int = CENTER_TOKENS
+    # K's codes chosen against the queries of the append that quantizes them, not rounded to nearest.
+    query_rounded: bool = False
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -201,6 +210,14 @@ class QuantSpec:
                 f"prefix_tokens={self.prefix_tokens} needs center, query_scaled or defer_prefix: it sets the tokens "
                 "their statistics come from and a deferring cache waits for, and this spec has none of them"
             )
+        if not isinstance(self.query_rounded, bool):
+            raise ValueError(f"query_rounded must be True or False, got {self.query_rounded!r}")
+        if self.query_rounded and (self.scheme != "token" or self.window or not self.symmetric or self.span_heads):
+            raise ValueError(
+                "query_rounded=True needs scheme='token', window=0, symmetric=True and span_heads=False (it rounds "
+                f"the channels of each token's groups within a head), got scheme={self.scheme!r}, window={self.window}, "
+                f"symmetric={self.symmetric}, span_heads={self.span_heads}"
+            )
         if self.center and not self.symmetric:
             raise ValueError("center=True needs symmetric=True; an asymmetric grid's zero points already shift each group")
         if not isinstance(self.span_heads, bool):
@@ -218,7 +235,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:p512][:dp]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:p512][:dp][:qr]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -234,11 +251,12 @@ class QuantSpec:
             + (":qs" if self.query_scaled else "")
             + (f":p{self.prefix_tokens}" if self.prefix_tokens != CENTER_TOKENS else "")
             + (":dp" if self.defer_prefix else "")
+            + (":qr" if self.query_rounded else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:p<tokens>][:dp]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:p<tokens>][:dp][:qr]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
@@ -250,7 +268,7 @@ class QuantSpec:
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
                 sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags, query_scaled="qs" in flags,
-                defer_prefix="dp" in flags, prefix_tokens=tokens("p") or CENTER_TOKENS,
+                defer_prefix="dp" in flags, prefix_tokens=tokens("p") or CENTER_TOKENS, query_rounded="qr" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -279,19 +297,20 @@ class QuantSpec:
     @property
     def for_slots(self) -> QuantSpec:
         """This spec as a preallocated (static) cache stores it: each slot is quantized once as it
-        is written, with no fp window, no second code plane, no fp sinks, no offset and no query scales."""
+        is written, with no fp window, no second code plane, no fp sinks, no offset, no query scales and
+        no query rounding (a slot write gets no queries)."""
         return dataclasses.replace(self, window=0, refine=0, sinks=0, center=False, query_scaled=False,
-                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS)  # fmt: skip
+                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS, query_rounded=False)  # fmt: skip
 
     def for_head_dim(self, head_dim: int) -> QuantSpec:
         """This spec for heads of ``head_dim`` channels: below ``MIN_EXTRAS_HEAD_DIM`` channels
-        without its second code plane, sinks, offset and query scales, and with groups spanning whole heads where
-        its own would be narrower than ``MIN_HEAD_GROUP``."""
+        without its second code plane, sinks, offset, query scales and query rounding, and with groups spanning
+        whole heads where its own would be narrower than ``MIN_HEAD_GROUP``."""
         if self.scheme != "token" or head_dim >= MIN_EXTRAS_HEAD_DIM:
             return self
         span_heads = self.span_heads or self.token_group(head_dim) < MIN_HEAD_GROUP
         return dataclasses.replace(self, refine=0, sinks=0, center=False, span_heads=span_heads, query_scaled=False,
-                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS)  # fmt: skip
+                                   defer_prefix=False, prefix_tokens=CENTER_TOKENS, query_rounded=False)  # fmt: skip
 
     def heads_per_group(self, heads: int, head_dim: int) -> int:
         """KV heads whose channels of one token form one group: 1, or with ``span_heads`` as many as
@@ -383,6 +402,8 @@ class KVConfig:
 
     def __post_init__(self):
         _check_choice("inner", self.inner, INNER_COMPILERS)
+        if self.v.query_rounded:
+            raise ValueError("v.query_rounded=True is not supported: only K's cache writes are handed their queries")
         if self.v.scheme == "channel":
             raise ValueError(
                 "v_scheme='channel' is not supported: V has no channel outliers and "

@@ -53,6 +53,8 @@ Methods (``--methods``, comma separated):
   and ``int2`` defer nothing without it, e.g. ``kv4-rot-mse-r64-ks4-kc-qs`` is the default without.
   ``-kpN`` (last) takes K's offset and query scales over up to N tokens after the sinks instead of
   64, and a deferring K waits for N (``kvpass.kv4(k_prefix_tokens=N)``), e.g. ``kv4-kp512``.
+  ``-qr`` (after all of them) chooses K's codes against each append's queries instead of rounding
+  to nearest (``kvpass.kv4(k_query_rounded=True)``; real backend only), e.g. ``kv4-qr``.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -97,7 +99,7 @@ _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kiv
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
                      r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?(?P<query_scaled>-qs)?"
                      r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?(?P<defer>-kd)?"
-                     r"(?:-kp(?P<prefix_tokens>\d+))?$")  # fmt: skip
+                     r"(?:-kp(?P<prefix_tokens>\d+))?(?P<query_rounded>-qr)?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 # Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
 # per-block differences give a paired comparison an error bar, which the means alone cannot.
@@ -169,7 +171,7 @@ def parse_method(name: str) -> Method:
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -qs (K scaled by the queries), "
             "-kB@L.L (K bits B in layers L), -kd (K prefix deferred to 64 tokens), -kpN (K prefix statistics "
-            "over N tokens, and deferred to N), "
+            "over N tokens, and deferred to N), -qr (K's codes rounded against the queries), "
             "and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
@@ -209,6 +211,10 @@ def parse_method(name: str) -> Method:
         kwargs["k_defer_prefix"] = bool(m["defer"])
     if m["prefix_tokens"]:
         kwargs["k_prefix_tokens"] = int(m["prefix_tokens"])
+    if m["query_rounded"]:
+        if m["sim"]:
+            raise ValueError(f"{name}: query rounding (-qr) runs in the real backend only, not in the twin: drop sim-")
+        kwargs["k_query_rounded"] = True
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")

@@ -61,18 +61,25 @@ def _kernels_for(*specs: QuantSpec):
     return None if any(spec.span_heads for spec in specs) else _triton_kernels()
 
 
+def _quantizer_for(spec: QuantSpec):
+    """The Triton quantizer where it serves ``spec``, else :func:`kvpass.reference.quantize`."""
+    kernels = _kernels_for(spec)
+    return reference.quantize if kernels is None else kernels.quantize
+
+
 # --- quantize --------------------------------------------------------------------------
 
 
 @torch.library.custom_op("kv4::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
-    offset: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Stored form of ``x [B, H, S, D]``: ``(codes, scales)`` (see :mod:`kvpass.reference`);
-    a centered spec passes its stored-domain ``offset [B, H, 1, D]``."""
+    a centered spec passes its stored-domain ``offset [B, H, 1, D]``, a query-rounded one its
+    append's ``rounding`` (:func:`kvpass.reference.rounding_coefficients`)."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
-    return reference.encode(x.contiguous(), spec, offset)
+    return reference.encode(x.contiguous(), spec, offset, rounding=rounding)
 
 
 def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool):
@@ -92,15 +99,14 @@ def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bo
 
 
 @quantize.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None):
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, rounding=None):
     return _stored_like(x, bits, scheme, group, rotate, symmetric, span_heads)
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None):
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, rounding=None):
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
-    kernels = _kernels_for(spec)
-    return reference.encode(x.contiguous(), spec, offset, reference.quantize if kernels is None else kernels.quantize)
+    return reference.encode(x.contiguous(), spec, offset, _quantizer_for(spec), rounding)
 
 
 # --- quantize with a second code plane ----------------------------------------------------
@@ -110,17 +116,17 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None):
 def quantize_refined(
     x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
     refine: int,
-    offset: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`quantize` of new tokens ``x [B, H, T, D]`` and the second code plane
     (``QuantSpec.refine``) of the newest ``min(T, refine)``: ``(codes, scales, fine_codes, fine_scales)``.
     One op, not four: a decode step appends one token, and each op call costs more than its work."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
-    return reference.encode_refined(x.contiguous(), spec, offset=offset)
+    return reference.encode_refined(x.contiguous(), spec, offset=offset, rounding=rounding)
 
 
 @quantize_refined.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None):
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
     T = x.shape[2]
     newest = x[:, :, T - torch.sym_min(T, refine) :]
     layout = (bits, scheme, group, rotate, symmetric, span_heads)
@@ -128,11 +134,9 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offse
 
 
 @quantize_refined.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None):
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
-    kernels = _kernels_for(spec)
-    quantizer = reference.quantize if kernels is None else kernels.quantize
-    return reference.encode_refined(x.contiguous(), spec, quantizer, offset)
+    return reference.encode_refined(x.contiguous(), spec, _quantizer_for(spec), offset, rounding)
 
 
 # --- write (static caches) -------------------------------------------------------------

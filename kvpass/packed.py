@@ -176,7 +176,8 @@ class PackedKV(torch.Tensor):
     def append(self, new: torch.Tensor, query: torch.Tensor | None = None) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
         [B, Hq, T, D]`` (the queries reading them) fixes a ``query_scaled`` spec's scales in a first
-        append, and in every append while a ``defer_prefix`` cache waits."""
+        append, and in every append while a ``defer_prefix`` cache waits; a ``query_rounded`` spec rounds
+        the tokens an append quantizes against its queries (to nearest without them)."""
         if query is not None and (query.shape[0] != new.shape[0] or query.shape[2] != new.shape[2]
                                   or query.shape[1] % new.shape[1]):  # fmt: skip
             raise ValueError(
@@ -187,17 +188,22 @@ class PackedKV(torch.Tensor):
             return self._held_append(new, query)
         # Only a first append takes query scales: decode steps skip the energy.
         energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1], self.spec)
-        return self._quantized_append(new, energy)
+        return self._quantized_append(new, energy, query)
 
-    def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None) -> PackedKV:
+    def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None,
+                          query: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
         """:meth:`append` quantizing ``new``; ``q_energy`` (:func:`kvpass.reference.query_energy`) of
-        its queries fixes a first append's query scales."""
+        its queries fixes a first append's query scales, and the append's ``query`` rounds a
+        ``query_rounded`` spec's codes."""
         query_scales, new = self._query_scaled(new, q_energy)
+        rounding = None
+        if self.spec.query_rounded and query is not None:
+            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec)
         head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
-            return self._refined_append(new, head, offset, query_scales)
+            return self._refined_append(new, head, offset, query_scales, rounding)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
-            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset)
+            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
             return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales)
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
@@ -225,7 +231,9 @@ class PackedKV(torch.Tensor):
                 parts["query_energy"] = self._no_energy if q_energy is None else q_energy
             return PackedKV(self.codes, self.scales, residual, self.spec, **parts)
         tokens = torch.cat([self.dequantize(), new.to(self.dtype)], dim=2)
-        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy)
+        # The held tokens' queries are gone (only their energy is kept): all of them are rounded
+        # against this append's.
+        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy, query)
 
     def _query_scaled(self, new: torch.Tensor, q_energy: torch.Tensor | None):
         """``(query_scales, new)``: a ``query_scaled`` spec's scales after this append (a first one
@@ -250,14 +258,16 @@ class PackedKV(torch.Tensor):
             new = new[:, :, sinks:]
         return head, offset, new
 
-    def _refined_append(self, new: torch.Tensor, head, offset, query_scales) -> PackedKV:
+    def _refined_append(self, new: torch.Tensor, head, offset, query_scales, rounding=None) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
         # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
-        codes, scales, *new_planes = ops.quantize_refined(new, *ops.codec_args(self.spec), self.spec.refine, offset)
+        codes, scales, *new_planes = ops.quantize_refined(
+            new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding
+        )  # fmt: skip
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
         held = _head_len(head) + self.codes.shape[2] + new.shape[2]

@@ -865,8 +865,8 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
 
 def _site_specs(k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> tuple[QuantSpec, QuantSpec]:
     """The specs K and V are stored with: one cache tensor read as both (shared-KV MQA) has K's."""
-    if k.node is v.node:  # nor waits for K's prefix, as the twin's does not (kvpass.simulate)
-        return (dataclasses.replace(config.k, defer_prefix=False),) * 2
+    if k.node is v.node:  # nor waits for K's prefix, as the twin's does not (kvpass.simulate), nor reads queries
+        return (dataclasses.replace(config.k, defer_prefix=False, query_rounded=False),) * 2
     return config.k, config.v
 
 
@@ -1028,7 +1028,7 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
 
 
 def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
-    """The query a query-scaled K's first write takes its scales from, or None and why there is none."""
+    """The query a K write takes query scales or query rounding from, or None and why there is none."""
     if k.node is v.node:  # V would be read as stored, times the scales
         return None, "K and V are one tensor"
     if attn.tiles > 1:
@@ -1255,8 +1255,11 @@ def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list
                 span = f"{spec.token_group(dim)} values"
             scale = "fp16" if reference.scale_dtype(narrow_spec, heads, dim) == reference.SCALE_DTYPE else "8-bit"
             narrow.setdefault(f"head_dim {dim}: one {scale} scale per {span}", []).append(role)
-            if spec.query_scaled:
-                notes.append(f"K head_dim {dim}: stored without query scales, as heads under {MIN_EXTRAS_HEAD_DIM} channels are")
+            stripped = [what for what, has in (("query scales", spec.query_scaled), ("query rounding", spec.query_rounded))
+                        if has]  # fmt: skip
+            if stripped:
+                notes.append(f"K head_dim {dim}: stored without {' and '.join(stripped)}, as heads under "
+                             f"{MIN_EXTRAS_HEAD_DIM} channels are")  # fmt: skip
     notes.extend(f"{' and '.join(roles)} {why} leaves no bytes for a second code plane, sinks or offset"
                  for why, roles in narrow.items())  # fmt: skip
     return dataclasses.replace(config, **specs)
@@ -1334,11 +1337,15 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             notes.append(f"K's sliding window keeps {kept} tokens, under the {site_config.k.prefix_tokens} its prefix "
                          "waits for: from a shorter prompt on, its K stays unquantized")  # fmt: skip
         query = None
-        # A first write fixes query scales from its queries; a cache waiting for its prefix gathers them.
-        if site_config.k.query_scaled and (k.past is None or site_config.k.defer_prefix) and not _is_static(k):
+        # A first write fixes query scales from its queries, a cache waiting for its prefix gathers them,
+        # and a query-rounded K rounds every write against them.
+        k_spec = site_config.k
+        uses = ["query scales"] if k_spec.query_scaled and (k.past is None or k_spec.defer_prefix) else []
+        uses += ["query rounding"] if k_spec.query_rounded and k.node is not v.node else []
+        if uses and not _is_static(k):
             query, why = _scales_query(attn, k, v, order)
             if query is None:
-                notes.append(f"K is stored without query scales: {why}")
+                notes.append(f"K is stored without {' and '.join(uses)}: {why}")
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, query)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1

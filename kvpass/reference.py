@@ -390,8 +390,10 @@ def _quantize_asym(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     return pack_codes(codes, spec.bits, symmetric=False), torch.stack([scale, zero], dim=-1)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [B, H, S, D]`` -> ``(codes, scales)`` in the layout of the module docstring.
+def quantize(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, H, S, D]`` -> ``(codes, scales)`` in the layout of the module docstring. ``rounding``
+    (:func:`rounding_coefficients`, per-token symmetric groups within a head) chooses the codes against
+    the queries instead of to nearest; the scales are the same either way.
 
     Rotation is not applied here (see :func:`encode`).
     """
@@ -401,8 +403,11 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     groups, dim, expand, ungroup = _groups(x, spec)
     dtype = scale_dtype(spec, x.shape[1], x.shape[3])
     scale = _clipped_scale(groups, dim, qmax, dtype) if spec.clip else _group_scale(groups.abs().amax(dim), qmax, dtype)
-    codes = ungroup(_codes_from(groups, expand(scale), spec.code_min, spec.code_max))
-    return pack_codes(codes, spec.bits), scale
+    if rounding is None:
+        codes = _codes_from(groups, expand(scale), spec.code_min, spec.code_max)
+    else:
+        codes = _rounded_codes(groups, scale, rounding, spec.code_min, spec.code_max)
+    return pack_codes(ungroup(codes), spec.bits), scale
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
@@ -550,6 +555,72 @@ def by_query_scales(x: torch.Tensor | None, query_scales: torch.Tensor | None, p
     return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
 
 
+# H + ROUNDING_DAMPING * mean(diag H) * I: one append's queries are few samples of the queries that
+# will read its tokens (a decode step's are one token's query heads); undamped, H overfits them
+# (exploratory measurements on SmolLM2 and Gemma 3: a damping of 0.3 lost on Gemma 3, 1 did not).
+ROUNDING_DAMPING = 1.0
+# Query rounding works in integers of 2**-ROUNDING_BITS codes, so every implementation chooses the
+# same codes whatever order or fusion its arithmetic takes.
+ROUNDING_BITS = 16
+# Bounds that keep every intermediate exact: |t| <= 2**23 converts to fp32 exactly (kernels round
+# there), and |error * coefficient| < 2**48 fits int64 (and fp64) exactly.
+_ROUNDING_LIMIT = 2**23
+_COEFFICIENT_LIMIT = 2 ** (ROUNDING_BITS + 8)
+
+
+def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None,
+                          spec: QuantSpec) -> torch.Tensor:  # fmt: skip
+    """How a ``spec.query_rounded`` K append whose queries are ``query [B, Hq, T, D]`` (query heads
+    grouped as GQA reads ``kv_heads`` KV heads) rounds its groups: ``int64 [B, kv_heads, D // g, g, g]``
+    (``g`` the token group), ``C[..., i, j]`` (``j > i``, else 0) the share of channel ``i``'s rounding
+    error that channel ``j`` of the same group takes on before it is rounded, in units of
+    ``2**-ROUNDING_BITS``.
+
+    A query reads a key's error ``e`` through ``q . e``. Rounding the channels one after another, each
+    passing its error on to the later ones by these shares (GPTQ's update, with the queries' second
+    moment ``H`` in the stored domain, damped, for the Hessian), puts the error where the append's
+    queries read little, instead of spreading it evenly as rounding to nearest does. Queries whose
+    second moment is not finite and positive give zero shares: rounding to nearest."""
+    B, Hq, T, D = query.shape
+    g = spec.token_group(D)
+    q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
+    q = (rotate(q) if spec.rotate else q).double()
+    q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
+    second = q.mT @ q / q.shape[-2]
+    mean_diag = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
+    eye = torch.eye(g, dtype=torch.float64, device=query.device)
+    usable = torch.isfinite(second).all(-1, keepdim=True).all(-2, keepdim=True) & (mean_diag > 0)
+    hessian = torch.where(usable, second + ROUNDING_DAMPING * mean_diag * eye, eye)
+    # GPTQ's rows: the upper Cholesky factor of H^-1, each row over its diagonal entry.
+    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
+    shares = (factor / factor.diagonal(dim1=-2, dim2=-1)[..., None]).triu(1)
+    return torch.round(shares * 2.0**ROUNDING_BITS).clamp(-_COEFFICIENT_LIMIT, _COEFFICIENT_LIMIT).to(torch.int64)
+
+
+def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torch.Tensor, code_min: int,
+                   code_max: int) -> torch.Tensor:  # fmt: skip
+    """Codes of ``groups [B, H, S, n, g]`` with stored ``scale [B, H, S, n]``, each group's channels
+    rounded in order, each passing its error on by ``coefficients [B, H, n, g, g]``
+    (:func:`rounding_coefficients`). Groups with a zero or non-finite scale or value round to nearest."""
+    unit = 2**ROUNDING_BITS
+    s = scale_values(scale)[..., None]
+    safe = torch.where((s == 0) | s.isnan(), 1.0, s)
+    # x / s is one fp32 division, and times 2**16 exact: the same t in every implementation.
+    t = torch.round(groups.float() / safe * unit)
+    regular = torch.isfinite(t).all(-1, keepdim=True) & (s != 0) & ~s.isnan()
+    t = torch.where(regular, t, 0.0).clamp(-_ROUNDING_LIMIT, _ROUNDING_LIMIT).to(torch.int64)
+    shares = coefficients[:, :, None]  # one append's shares, for all of its tokens
+    codes = torch.empty_like(t)
+    for i in range(t.shape[-1]):
+        code = torch.round(t[..., i].double() / unit).clamp(code_min, code_max).to(torch.int64)
+        codes[..., i] = code
+        error = t[..., i] - code * unit
+        rest = t[..., i + 1 :] - ((error[..., None] * shares[..., i, i + 1 :]) >> ROUNDING_BITS)
+        t[..., i + 1 :] = rest.clamp(-_ROUNDING_LIMIT, _ROUNDING_LIMIT)
+    nearest = _codes_from(groups, scale[..., None], code_min, code_max)
+    return torch.where(regular, codes.to(torch.int8), nearest)
+
+
 def sink_dtype(dtype: torch.dtype) -> torch.dtype:
     """What fp sinks are stored in: the model's dtype when it has 16 bits, else bfloat16 (an fp32
     model's sinks cost what a 16-bit model's do, and keep fp32's range)."""
@@ -576,11 +647,13 @@ def _centered(stored: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor
     return stored if offset is None else stored - offset.float()
 
 
-def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None, quantizer=quantize):
+def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None, quantizer=quantize,
+           rounding: torch.Tensor | None = None):  # fmt: skip
     """The stored form of ``x``: rotated first when ``spec.rotate``, minus a centered spec's
     ``offset`` (stored domain), then quantized by ``quantizer`` (:func:`quantize` or a kernel
-    computing exactly the same): ``(codes, scales)``."""
-    return quantizer(_centered(rotate(x) if spec.rotate else x, offset), spec)
+    computing exactly the same), with ``rounding`` if given: ``(codes, scales)``."""
+    stored = _centered(rotate(x) if spec.rotate else x, offset)
+    return quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
 
 
 def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None, head=None,
@@ -615,12 +688,12 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,
-                        sinks: int | None = None) -> torch.Tensor:  # fmt: skip
+                        sinks: int | None = None, rounding: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """What a cache holding ``x`` (built in one go or by appends) gives back; whole groups only for
     channel. Its first ``sinks`` tokens stay unquantized (in :func:`sink_dtype`), the rest are
-    quantized minus ``offset`` (a centered spec's, if any), the newest
-    :func:`refined_tokens` of them refined. Without ``sinks``, both are what a cache whose first
-    append is ``x`` takes (:meth:`QuantSpec.prefix`; ``offset`` then defaults to
+    quantized minus ``offset`` (a centered spec's, if any), with ``rounding`` if given (one append's),
+    the newest :func:`refined_tokens` of them refined. Without ``sinks``, both are what a cache whose
+    first append is ``x`` takes (:meth:`QuantSpec.prefix`; ``offset`` then defaults to
     :func:`center_offset`)."""
     B, H, S, D = x.shape
     if sinks is None:
@@ -631,7 +704,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor |
     n_head = min(sinks, S)
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
-    codes, scales = quantize(quantized, spec)
+    codes, scales = quantize(quantized, spec, rounding)
     n_fine = refined_tokens(spec, n_head + quantized.shape[2], D, n_head, offset)
     fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
     head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None
@@ -655,14 +728,16 @@ def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quanti
     return quantizer(error, spec)
 
 
-def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset: torch.Tensor | None = None):
-    """:func:`encode` of new tokens ``x [B, H, T, D]``, and the second code plane of the newest
-    ``min(T, spec.refine)`` of them: ``(codes, scales, fine_codes, fine_scales)``.
+def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset: torch.Tensor | None = None,
+                   rounding: torch.Tensor | None = None):  # fmt: skip
+    """:func:`encode` of new tokens ``x [B, H, T, D]`` (codes chosen with ``rounding`` if given), and
+    the second code plane of the newest ``min(T, spec.refine)`` of them, rounded to nearest:
+    ``(codes, scales, fine_codes, fine_scales)``.
 
     ``quantizer`` is :func:`quantize` or a kernel computing exactly the same.
     """
     stored = _centered(rotate(x) if spec.rotate else x, offset)
-    codes, scales = quantizer(stored, spec)
+    codes, scales = quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
     T = x.shape[2]
     return codes, scales, *_error_plane(stored, codes, scales, spec, T - min(T, spec.refine), quantizer)
 
