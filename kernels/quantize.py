@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvpass.config import QuantSpec
-from kvpass.reference import CLIP_ERROR_UNIT
+from kvpass.reference import CLIP_ERROR_UNIT, ROUNDING_BITS, ROUNDING_LIMIT
 
 SCALE_DTYPE = torch.float16
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,6 +25,8 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # every backend agree on it).
 _ROUND_MAGIC = 12582912.0
 _CLIP_ERROR_UNIT: tl.constexpr = CLIP_ERROR_UNIT
+_ROUNDING_BITS: tl.constexpr = ROUNDING_BITS
+_ROUNDING_LIMIT: tl.constexpr = ROUNDING_LIMIT
 
 
 @triton.jit
@@ -81,6 +83,41 @@ def _clipped_scale(x, non_finite, QMAX: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _rounded_codes(groups, scale, R, n_groups, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr,
+                   BLOCK_S: tl.constexpr, N_GROUPS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Codes of ``groups [BLOCK_S, N_GROUPS, GROUP]`` with fp16 ``scale [BLOCK_S, N_GROUPS]``, rounded
+    against the queries as :func:`kvpass.reference._rounded_codes` does: channel by channel, each
+    passing its error on by the shares at ``R`` (one append's ``[n_groups, GROUP, GROUP]``, contiguous),
+    in integers of ``2**-ROUNDING_BITS`` codes so that no step depends on how arithmetic is fused.
+    Also returns which groups are regular (finite values, a finite non-zero scale): the others take
+    the nearest codes."""
+    UNIT: tl.constexpr = 1 << _ROUNDING_BITS
+    scale = scale.to(tl.float32)
+    empty = (scale == 0) | (scale != scale)
+    t = _div_rn(groups, tl.expand_dims(tl.where(empty, 1.0, scale), 2)) * UNIT
+    bad = tl.max(((t != t) | (tl.abs(t) == float("inf"))).to(tl.int32), axis=2) > 0
+    regular = ~(bad | empty)
+    t = tl.where(tl.expand_dims(regular, 2), t, 0.0)
+    t = tl.minimum(tl.maximum(t, -_ROUNDING_LIMIT * 1.0), _ROUNDING_LIMIT * 1.0)
+    t = ((t + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int64)
+    offs_g = tl.arange(0, N_GROUPS)
+    offs_j = tl.arange(0, GROUP)
+    column = tl.broadcast_to(offs_j[None, None, :], [BLOCK_S, N_GROUPS, GROUP])
+    codes = tl.zeros([BLOCK_S, N_GROUPS, GROUP], dtype=tl.int64)
+    for i in range(GROUP):
+        t_i = tl.sum(tl.where(column == i, t, 0), axis=2)  # [BLOCK_S, N_GROUPS]
+        code = (t_i.to(tl.float32) * (1.0 / UNIT) + _ROUND_MAGIC) - _ROUND_MAGIC
+        code = tl.minimum(tl.maximum(code, CODE_MIN * 1.0), CODE_MAX * 1.0).to(tl.int64)
+        codes = tl.where(column == i, tl.expand_dims(code, 2), codes)
+        error = t_i - code * UNIT
+        shares = tl.load(R + offs_g[:, None] * GROUP * GROUP + i * GROUP + offs_j[None, :],
+                         mask=offs_g[:, None] < n_groups, other=0)  # [N_GROUPS, GROUP]
+        t = t - ((tl.expand_dims(error, 2) * tl.expand_dims(shares, 0)) >> _ROUNDING_BITS)
+        t = tl.minimum(tl.maximum(t, -_ROUNDING_LIMIT), _ROUNDING_LIMIT)
+    return codes.to(tl.int32), regular
+
+
+@triton.jit
 def _asym_params(lo, hi, non_finite, QMAX: tl.constexpr):
     """``(scale, zero)`` in fp16 of groups with minimum ``lo`` and maximum ``hi`` (fp32)."""
     # -0.0 becomes +0.0, whichever zero the min/max reductions picked.
@@ -129,9 +166,9 @@ def _quantize_token_kernel(
     X, stride_xb, stride_xh, stride_xs, stride_xd,
     C, stride_cb, stride_ch, stride_cs, stride_cd,
     SC, stride_sb, stride_sh, stride_ss, stride_sg, stride_sp,
-    H, S, D, n_groups,
+    R, H, S, D, n_groups,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
-    CLIP: tl.constexpr,
+    CLIP: tl.constexpr, ROUNDED: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -170,7 +207,13 @@ def _quantize_token_kernel(
             scale = _scale_from(tl.max(tl.abs(groups), axis=2), non_finite, QMAX)
         tl.store(scale_ptrs, scale, mask=scale_mask)
         scale_per_elem = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
-        packed = _pack(_codes_from(x, scale_per_elem, CODE_MIN, QMAX), BLOCK_S, BLOCK_D, BITS, True)
+        codes = _codes_from(x, scale_per_elem, CODE_MIN, QMAX)
+        if ROUNDED:
+            rounded, regular = _rounded_codes(groups, scale, R + pid_bh * n_groups * GROUP * GROUP, n_groups,
+                                              CODE_MIN, QMAX, BLOCK_S, N_GROUPS, GROUP)  # fmt: skip
+            regular = tl.reshape(tl.broadcast_to(regular[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+            codes = tl.where(regular, tl.reshape(rounded, [BLOCK_S, BLOCK_D]), codes)
+        packed = _pack(codes, BLOCK_S, BLOCK_D, BITS, True)
     offs_byte = tl.arange(0, BLOCK_D // PER_BYTE)
     tl.store(
         C + b * stride_cb + h * stride_ch + offs_s[:, None] * stride_cs + offs_byte[None, :] * stride_cd,
@@ -247,10 +290,13 @@ def _check_out(name, tensor, shape, dtype, device):
 def quantize(
     x: torch.Tensor,
     spec: QuantSpec,
+    rounding: torch.Tensor | None = None,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [B, H, S, D]`` -> ``(codes uint8, scales fp16)`` exactly as :func:`kvpass.reference.quantize`.
+    """``x [B, H, S, D]`` -> ``(codes uint8, scales fp16)`` exactly as :func:`kvpass.reference.quantize`,
+    codes rounded against the queries where ``rounding`` (:func:`kvpass.reference.rounding_coefficients`,
+    ``int64 [B, H, D // g, g, g]``) is given.
 
     An asymmetric spec's ``scales`` has a trailing dimension of 2: ``(scale, zero point)``.
 
@@ -272,6 +318,15 @@ def quantize(
     if spec.scheme == "channel" and S % spec.group:
         raise ValueError(f"per-channel quantization needs whole groups of {spec.group} tokens, got {S} tokens")
     codes_shape, scales_shape = output_shapes(x.shape, spec)
+    if rounding is not None:
+        if spec.scheme != "token" or not spec.symmetric:
+            raise ValueError(f"{spec.tag}: query rounding needs symmetric per-token groups")
+        group = spec.token_group(D)
+        shape = (B, H, D // group, group, group)
+        if tuple(rounding.shape) != shape or rounding.dtype != torch.int64 or rounding.device != x.device:
+            raise ValueError(f"rounding must be int64 {list(shape)} on {x.device}, got {rounding.dtype} "
+                             f"{list(rounding.shape)} on {rounding.device}")  # fmt: skip
+        rounding = rounding.contiguous()
     if out is None:
         codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
         scales = torch.empty(scales_shape, dtype=SCALE_DTYPE, device=x.device)
@@ -294,8 +349,9 @@ def quantize(
         grid = (B * H, triton.cdiv(S, block_s))
         _quantize_token_kernel[grid](
             x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
-            H, S, D, n_groups,
+            codes if rounding is None else rounding, H, S, D, n_groups,
             BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d, ASYM=asym, CLIP=spec.clip,
+            ROUNDED=rounding is not None,
         )
     else:
         grid = (B * H, S // spec.group)

@@ -561,11 +561,12 @@ def by_query_scales(x: torch.Tensor | None, query_scales: torch.Tensor | None, p
 ROUNDING_DAMPING = 1.0
 # Query rounding works in integers of 2**-ROUNDING_BITS codes, so every implementation chooses the
 # same codes whatever order or fusion its arithmetic takes.
-ROUNDING_BITS = 16
-# Bounds that keep every intermediate exact: |t| <= 2**23 converts to fp32 exactly (kernels round
-# there), and |error * coefficient| < 2**48 fits int64 (and fp64) exactly.
-_ROUNDING_LIMIT = 2**23
-_COEFFICIENT_LIMIT = 2 ** (ROUNDING_BITS + 8)
+ROUNDING_BITS = 14
+# Bounds that keep every step exact: values within 2**22 round to integers exactly in fp32 (the
+# kernels' way) and convert back and forth exactly (int8's clipped codes reach 190 * 2**14 < 2**22),
+# and |error * coefficient| < 2**45 fits int64.
+ROUNDING_LIMIT = 2**22
+ROUNDING_SHARE_LIMIT = 2 ** (ROUNDING_BITS + 8)
 
 
 def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None,
@@ -594,7 +595,7 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     # GPTQ's rows: the upper Cholesky factor of H^-1, each row over its diagonal entry.
     factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
     shares = (factor / factor.diagonal(dim1=-2, dim2=-1)[..., None]).triu(1)
-    return torch.round(shares * 2.0**ROUNDING_BITS).clamp(-_COEFFICIENT_LIMIT, _COEFFICIENT_LIMIT).to(torch.int64)
+    return torch.round(shares * 2.0**ROUNDING_BITS).clamp(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
 
 
 def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torch.Tensor, code_min: int,
@@ -605,10 +606,10 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
     unit = 2**ROUNDING_BITS
     s = scale_values(scale)[..., None]
     safe = torch.where((s == 0) | s.isnan(), 1.0, s)
-    # x / s is one fp32 division, and times 2**16 exact: the same t in every implementation.
-    t = torch.round(groups.float() / safe * unit)
+    # x / s is one fp32 division, and times 2**14 exact: the same t in every implementation.
+    t = groups.float() / safe * unit
     regular = torch.isfinite(t).all(-1, keepdim=True) & (s != 0) & ~s.isnan()
-    t = torch.where(regular, t, 0.0).clamp(-_ROUNDING_LIMIT, _ROUNDING_LIMIT).to(torch.int64)
+    t = torch.round(torch.where(regular, t, 0.0).clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)).to(torch.int64)
     shares = coefficients[:, :, None]  # one append's shares, for all of its tokens
     codes = torch.empty_like(t)
     for i in range(t.shape[-1]):
@@ -616,7 +617,7 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
         codes[..., i] = code
         error = t[..., i] - code * unit
         rest = t[..., i + 1 :] - ((error[..., None] * shares[..., i, i + 1 :]) >> ROUNDING_BITS)
-        t[..., i + 1 :] = rest.clamp(-_ROUNDING_LIMIT, _ROUNDING_LIMIT)
+        t[..., i + 1 :] = rest.clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)
     nearest = _codes_from(groups, scale[..., None], code_min, code_max)
     return torch.where(regular, codes.to(torch.int8), nearest)
 

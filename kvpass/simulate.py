@@ -236,6 +236,9 @@ class SimulatedKVCache(DynamicCache):
         layers: Collection[int] | None = None,
     ):  # fmt: skip
         super().__init__(config=config)
+        if any(spec is not None and spec.query_rounded for spec in (k_spec, v_spec)):
+            raise ValueError("query rounding (QuantSpec.query_rounded) is not simulated: the twin would round "
+                             "to nearest; run it through kv4")  # fmt: skip
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
             windows = {spec.window for spec in (k_spec, v_spec) if spec is not None}
             if len(windows) > 1:

@@ -339,6 +339,40 @@ def test_query_scaled_keys_take_their_scales_from_the_sites_query():
     assert all("K head_dim 16: stored without query scales" in site.reason for g in narrow.graphs for site in g.sites)
 
 
+@torch.no_grad()
+def test_query_rounded_keys_are_handed_their_sites_query_at_every_write():
+    """Query-rounded K: each K write, decode steps' too, gets its site's query; the cache stores the
+    scales and bytes of rounding to nearest, with other codes (PackedKV's tests check which)."""
+    model, ids = kv_heavy_llama(), _ids(100, batch=2)
+    caches = {}
+    for rounded in (False, True):
+        torch._dynamo.reset()
+        backend = kvpass.kv4(k_query_rounded=rounded)
+        step, cache = torch.compile(model, backend=backend), DynamicCache()
+        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        for seed in (1, 2, 3):
+            step(input_ids=_ids(1, batch=2, seed=seed), past_key_values=cache, use_cache=True)
+        caches[rounded] = cache
+    assert backend.config.k.query_rounded and not backend.config.v.query_rounded
+    assert all(site.rewritten and not site.reason for g in backend.graphs for site in g.sites)
+    writes = [line for g in backend.graphs for line in g.after.splitlines() if "kv4_pack(" in line or "kv4_append(" in line]
+    k_writes = [line for line in writes if ":qr'" in line]
+    assert len(k_writes) == len(writes) / 2 and all("query = " in line for line in k_writes)
+    assert any("kv4_append(" in line for line in k_writes)  # decode steps too
+    assert all(layer.keys.spec.query_rounded and not layer.values.spec.query_rounded for layer in caches[True].layers)
+    # Layer 0 reads the same tokens either way (later layers read what K's codes changed).
+    near, rounded = caches[False].layers[0], caches[True].layers[0]
+    assert torch.equal(near.keys.scales, rounded.keys.scales) and torch.equal(near.values.codes, rounded.values.codes)
+    assert near.keys.stored_bytes() == rounded.keys.stored_bytes()
+    assert not torch.equal(near.keys.codes, rounded.keys.codes)
+    # Heads under 32 channels keep plain groups, and say that K is rounded to nearest.
+    torch._dynamo.reset()
+    narrow = kvpass.kv4(k_query_rounded=True)
+    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    assert all("K head_dim 16: stored without query scales and query rounding" in site.reason
+               for g in narrow.graphs for site in g.sites)  # fmt: skip
+
+
 def test_k_layer_bits_names_a_bad_layer_or_bits():
     with pytest.raises(ValueError, match=r"k_layer_bits: layer '1' is not a layer index"):
         kvpass.kv4(k_layer_bits={"1": 8})

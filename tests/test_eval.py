@@ -12,6 +12,7 @@ from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.models_zoo import build
+from kvpass.simulate import SimulatedKVCache
 from tests.helpers import kv_heavy_llama
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
@@ -258,6 +259,13 @@ def test_method_names():
     assert mixed.scheme.endswith(", K int8 in layers 11, 15")
     with pytest.raises(ValueError, match="only in the real backend"):
         kv_eval.parse_method("sim-kv4-k8@11")
+    # -qr: K's codes rounded against each append's queries (real backend only)
+    assert kv_eval.parse_method("kv4-qr").specs == (dataclasses.replace(KVConfig().k, query_rounded=True), KVConfig().v)
+    assert kv_eval.parse_method("kv4-qr").fp16_ratio(4096, 3, 64) == kv_eval.parse_method("kv4").fp16_ratio(4096, 3, 64)
+    with pytest.raises(ValueError, match=r"query rounding \(-qr\) runs in the real backend only"):
+        kv_eval.parse_method("sim-kv4-qr")
+    with pytest.raises(ValueError, match="query rounding .* is not simulated"):
+        SimulatedKVCache(kv_heavy_llama().config, dataclasses.replace(KVConfig().k, query_rounded=True), None)
     with pytest.raises(ValueError):
         kv_eval.parse_method("kv4-g48")
     with pytest.raises(ValueError):
@@ -295,7 +303,7 @@ def test_fp_tokens_window_and_sinks_bounds():
 
 def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(model):
     from kvpass.reference import quantize_dequantize
-    from kvpass.simulate import FpTokens, SimulatedKVCache
+    from kvpass.simulate import FpTokens
 
     k_spec, v_spec = kv_eval.parse_method("kv4-rot").specs
     fp = FpTokens(sinks=3, window=16, flush=8)

@@ -139,6 +139,34 @@ def test_refined_quantize_through_the_kernel_matches_reference(tokens, dtype):
     assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
 
 
+@pytest.mark.parametrize(
+    "spec, shape",
+    [
+        (QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, query_rounded=True), (2, 3, 9, 64)),
+        (QuantSpec(bits=4, scheme="token", group=64, clip=True, query_rounded=True), (1, 2, 7, 96)),  # 3 groups of 32
+        (QuantSpec(bits=8, scheme="token", group=64, clip=True, query_rounded=True), (1, 2, 6, 256)),
+        (QuantSpec(bits=2, scheme="token", group=16, query_rounded=True), (2, 1, 8, 80)),
+    ],
+    ids=lambda v: v.tag if isinstance(v, QuantSpec) else "x".join(map(str, v)),
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_query_rounded_quantize_bit_exact(spec, shape, dtype):
+    """Codes chosen against the queries, channel by channel, equal the reference's to the bit:
+    the shares are integers, so no step depends on the kernel's arithmetic order or fusion."""
+    gen = torch.Generator().manual_seed(sum(shape) + spec.bits)
+    x = _hard_values(shape, dtype, gen)
+    B, H, _, D = shape
+    q = torch.randn(B, 2 * H, 1, D, generator=gen) * 3 + 0.3 * torch.randn(B, 2 * H, 6, D, generator=gen)
+    rounding = reference.rounding_coefficients(q, H, None, spec)
+    codes_ref, scales_ref = reference.quantize(x, spec, rounding)
+    assert not torch.equal(codes_ref, reference.quantize(x, spec)[0])  # the rounding chose other codes
+    codes, scales = quantize(x, spec, rounding)
+    assert torch.equal(codes, codes_ref)
+    assert _bits_equal(scales, scales_ref)
+    with pytest.raises(ValueError, match=r"rounding must be int64 \[1, 1"):
+        quantize(x[:1, :1], spec, rounding)
+
+
 def test_quantize_into_cache_slice():
     spec = QuantSpec(bits=4, scheme="channel", group=64)
     x = torch.randn(2, 2, 64, 64, dtype=torch.float16)

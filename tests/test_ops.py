@@ -121,6 +121,26 @@ def test_quantize_refined_is_quantize_and_the_newest_tokens_second_plane(tokens)
     assert torch.equal(fine_codes, expected_planes[0]) and torch.equal(fine_scales, expected_planes[1])
 
 
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_opcheck_with_query_rounding(tokens):
+    """A query-rounded K's append passes its shares (``reference.rounding_coefficients``) as one more
+    optional tensor; the codes are the reference's rounded ones, the plane its newest tokens' error."""
+    spec = QuantSpec(4, "token", 64, True, clip=True, refine=64, query_rounded=True)
+    x = torch.randn(2, 2, tokens, 128)
+    q = torch.randn(2, 4, 1, 128) * 2 + 0.2 * torch.randn(2, 4, tokens, 128)
+    rounding = reference.rounding_coefficients(q, 2, None, spec)
+    offset = torch.randn(2, 2, 1, 128).to(torch.float16)
+    torch.library.opcheck(ops.quantize, (x, *ops.codec_args(spec), offset, rounding))
+    torch.library.opcheck(ops.quantize_refined, (x, *ops.codec_args(spec), spec.refine, offset, rounding))
+    codes, scales, fine_codes, fine_scales = ops.quantize_refined(x, *ops.codec_args(spec), spec.refine, offset, rounding)
+    stored = (reference.rotate(x).float() - offset.float()).contiguous()
+    expected = reference.quantize(stored, spec, rounding)
+    assert torch.equal(codes, expected[0]) and torch.equal(scales, expected[1])
+    assert not torch.equal(codes, reference.quantize(stored, spec)[0])
+    error = stored[:, :, -fine_codes.shape[2] :] - reference.dequantize(*expected, spec)[:, :, -fine_codes.shape[2] :]
+    assert all(torch.equal(a, b) for a, b in zip((fine_codes, fine_scales), reference.quantize(error, spec)))
+
+
 def test_asymmetric_scales_carry_zero_points_in_a_trailing_dimension():
     x = torch.randn(1, 2, 128, 64) + 5.0
     for spec, shape in [(ASYM[0], (1, 2, 2, 64, 2)), (ASYM[1], (1, 2, 128, 1, 2))]:

@@ -806,3 +806,52 @@ def test_prefix_tokens_setting_is_checked_tagged_and_stripped_with_what_uses_it(
         QuantSpec(4, "token", 64, sinks=4, prefix_tokens=128)
     assert LONG_PREFIX.for_slots.prefix_tokens == LONG_PREFIX.for_head_dim(16).prefix_tokens == 64
     assert kvpass.kv4(k_prefix_tokens=512).config.k == dataclasses.replace(KVConfig().k, prefix_tokens=512)
+
+
+QUERY_ROUNDED = dataclasses.replace(KVConfig().k, defer_prefix=False, query_rounded=True)
+
+
+def _codes_rounded_against(p: PackedKV, tokens: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The codes ``tokens`` (quantized ones, after any sinks) take in ``p`` when rounded against ``query``."""
+    rounding = reference.rounding_coefficients(query, tokens.shape[1], p.query_scales, p.spec)
+    scaled = reference.by_query_scales(tokens, p.query_scales, 1)
+    return reference.encode(scaled, p.spec, p.offset, rounding=rounding)[0]
+
+
+def test_query_rounded_appends_round_their_tokens_against_their_own_queries():
+    """Each append's tokens take codes rounded against that append's queries (the first one's
+    after its sinks), at the scales and bytes of rounding to nearest; an append without queries
+    rounds to nearest."""
+    q, x = _mismatched_queries_and_keys(90)
+    nearest = dataclasses.replace(QUERY_ROUNDED, query_rounded=False)
+    p, plain = PackedKV.from_float(x[:, :, :80], QUERY_ROUNDED, q[:, :, :80]), PackedKV.from_float(x[:, :, :80], nearest, q[:, :, :80])
+    for start, stop, query in ((80, 81, q[:, :, 80:81]), (81, 85, q[:, :, 81:85]), (85, 90, None)):
+        p, plain = p.append(x[:, :, start:stop], query), plain.append(x[:, :, start:stop])
+        if query is not None:
+            # What it is for: an append's own queries (a decode step's: a few directions) read far
+            # less of its keys' error than of the nearest codes' (second plane included).
+            read = [((query * (k.dequantize()[:, :, start:stop] - x[:, :, start:stop]).repeat_interleave(2, 1))
+                     .sum(-1).pow(2).mean()) for k in (p, plain)]  # fmt: skip
+            assert read[0] < 0.25 * read[1]
+    for name in ("scales", "head", "offset", "query_scales", "fine_scales"):
+        assert torch.equal(getattr(p, name), getattr(plain, name)), name
+    assert p.stored_bytes() == plain.stored_bytes()
+    assert torch.equal(p.codes[:, :, :76], _codes_rounded_against(p, x[:, :, 4:80], q[:, :, :80]))
+    assert torch.equal(p.codes[:, :, 76:77], _codes_rounded_against(p, x[:, :, 80:81], q[:, :, 80:81]))
+    assert torch.equal(p.codes[:, :, 77:81], _codes_rounded_against(p, x[:, :, 81:85], q[:, :, 81:85]))
+    assert torch.equal(p.codes[:, :, 81:], plain.codes[:, :, 81:])  # no queries: to nearest
+    assert not torch.equal(p.codes[:, :, :81], plain.codes[:, :, :81])
+
+
+def test_a_deferred_query_rounded_prefix_is_rounded_against_the_append_that_quantizes_it():
+    """The held tokens' queries are not kept (only their energy): the append that reaches 64 tokens
+    rounds all of them, held and new, against its own queries."""
+    q, x = _mismatched_queries_and_keys(70)
+    spec = dataclasses.replace(QUERY_ROUNDED, defer_prefix=True)
+    p = PackedKV.from_float(x[:, :, :8], spec, q[:, :, :8]).append(x[:, :, 8:40], q[:, :, 8:40])
+    held = p.dequantize()
+    p = p.append(x[:, :, 40:70], q[:, :, 40:70])
+    tokens = torch.cat([held, x[:, :, 40:70]], 2)
+    plain = PackedKV.from_float(tokens, dataclasses.replace(spec, query_rounded=False), q)
+    assert torch.equal(p.query_scales, plain.query_scales) and torch.equal(p.offset, plain.offset)
+    assert torch.equal(p.codes, _codes_rounded_against(p, tokens[:, :, 4:], q[:, :, 40:70]))

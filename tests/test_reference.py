@@ -547,3 +547,87 @@ def test_attention_split_along_the_batch_equals_one_pass(monkeypatch, mask_shape
     split = run()
     assert len(passes) == 3
     assert torch.equal(split, whole)
+
+
+QUERY_ROUNDED = QuantSpec(4, "token", 64, rotate=True, clip=True, query_rounded=True)
+
+
+def _concentrated_queries(B, kv_heads, D, directions=2, seed=0):
+    """Queries of two query heads per KV head, spread over a few directions per head (as real
+    queries are: a handful of directions carry most of their energy)."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(B, kv_heads, 1, directions, D, generator=g)
+    weights = torch.randn(B, kv_heads, 2 * 24, directions, 1, generator=g)
+    q = (weights * basis).sum(3) + 0.05 * torch.randn(B, kv_heads, 2 * 24, D, generator=g)
+    return q.reshape(B, kv_heads, 2, 24, D).flatten(1, 2)  # [B, 2 * kv_heads, 24, D]
+
+
+@pytest.mark.parametrize("spec", [QUERY_ROUNDED, dataclasses.replace(QUERY_ROUNDED, bits=8, group=32),
+                                  dataclasses.replace(QUERY_ROUNDED, bits=2, clip=False)], ids=lambda s: s.tag)
+def test_query_rounding_moves_the_error_out_of_what_the_queries_read(spec):
+    B, H, S, D = 2, 2, 40, 128
+    x = R.rotate(torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(1)) * 2)  # stored: rotated
+    q = _concentrated_queries(B, H, D)
+    shares = R.rounding_coefficients(q, H, None, spec)
+    q = R.rotate(q)  # what reads the stored keys
+    g = spec.token_group(D)
+    assert shares.shape == (B, H, D // g, g, g) and shares.dtype == torch.int64
+    assert torch.equal(shares, shares.triu(1))  # a channel passes its error only to later ones
+    nearest, rounded = R.quantize(x, spec), R.quantize(x, spec, shares)
+    assert torch.equal(nearest[1], rounded[1])  # the same scales, so the same bytes
+    codes = R.unpack_codes(rounded[0], spec.bits)
+    assert codes.min() >= spec.code_min and codes.max() <= spec.code_max
+
+    def read_error(stored):  # what the queries read of the error, over its size
+        e = R.dequantize(*stored, spec) - x
+        return (q.reshape(B, H, -1, D) @ e.mT).pow(2).mean() / e.pow(2).mean()
+
+    # The queries' directions carry almost all of their energy: what they read of the error falls far.
+    assert read_error(rounded) < 0.2 * read_error(nearest)
+
+
+def test_query_rounding_without_a_preferred_direction_is_rounding_to_nearest():
+    spec = dataclasses.replace(QUERY_ROUNDED, rotate=False)
+    x = torch.randn(1, 2, 9, 64)
+    # Queries along every channel alike: an isotropic second moment gives no shares at all.
+    isotropic = (torch.eye(64) * 3).expand(1, 4, 64, 64)
+    # All-zero (or non-finite) queries say nothing: no shares either.
+    for q in (isotropic, torch.zeros(1, 4, 3, 64), torch.full((1, 4, 3, 64), float("nan"))):
+        shares = R.rounding_coefficients(q, 2, None, spec)
+        assert not shares.any()
+        assert torch.equal(R.quantize(x, spec, shares)[0], R.quantize(x, spec)[0])
+
+
+def test_query_rounding_leaves_zero_and_non_finite_groups_as_rounding_to_nearest_does():
+    x = torch.randn(1, 2, 6, 64)
+    x[0, 0, 1] = 0
+    x[0, 1, 2, 5] = float("inf")
+    x[0, 1, 4, 9] = float("nan")
+    shares = R.rounding_coefficients(_concentrated_queries(1, 2, 64), 2, None, QUERY_ROUNDED)
+    nearest, rounded = R.quantize(x, QUERY_ROUNDED), R.quantize(x, QUERY_ROUNDED, shares)
+    for token, head in ((1, 0), (2, 1), (4, 1)):
+        assert torch.equal(rounded[0][0, head, token], nearest[0][0, head, token])
+    out = R.dequantize(*rounded, QUERY_ROUNDED)
+    assert (out[0, 0, 1] == 0).all() and out[0, 1, 2].isnan().all() and out[0, 1, 4].isnan().all()
+
+
+def test_query_rounding_reads_the_query_that_reads_the_stored_key():
+    """With query scales the stored key is ``k * s``, read by ``q / s``: the shares come from that query."""
+    q = _concentrated_queries(1, 2, 64)
+    s = torch.rand(1, 2, 1, 64).add(0.5).to(torch.float16)
+    scaled = R.rounding_coefficients(q, 2, s, QUERY_ROUNDED)
+    assert torch.equal(scaled, R.rounding_coefficients(q / s.float().repeat_interleave(2, 1), 2, None, QUERY_ROUNDED))
+    assert not torch.equal(scaled, R.rounding_coefficients(q, 2, None, QUERY_ROUNDED))
+
+
+def test_query_rounded_setting_is_checked_tagged_and_stripped_where_no_queries_come():
+    assert QUERY_ROUNDED.tag.endswith(":qr") and QuantSpec.from_tag(QUERY_ROUNDED.tag) == QUERY_ROUNDED
+    assert not QUERY_ROUNDED.for_slots.query_rounded and not QUERY_ROUNDED.for_head_dim(16).query_rounded
+    assert not KVConfig().k.query_rounded
+    for kwargs in (dict(scheme="channel"), dict(window=64), dict(symmetric=False, clip=False), dict(span_heads=True)):
+        with pytest.raises(ValueError, match="query_rounded=True needs scheme='token', window=0, symmetric=True"):
+            dataclasses.replace(QUERY_ROUNDED, **kwargs)
+    with pytest.raises(ValueError, match="query_rounded must be True or False"):
+        QuantSpec(query_rounded=1)
+    with pytest.raises(ValueError, match="v.query_rounded=True is not supported"):
+        KVConfig(v=QUERY_ROUNDED)
