@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvpass.config import QuantSpec
-from kvpass.reference import CLIP_ERROR_UNIT, ROUNDING_BITS, ROUNDING_LIMIT
+from kvpass.reference import CLIP_ERROR_UNIT, ROUNDING_BITS, ROUNDING_BLOCK, ROUNDING_LIMIT
 
 SCALE_DTYPE = torch.float16
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -27,6 +27,7 @@ _ROUND_MAGIC = 12582912.0
 _CLIP_ERROR_UNIT: tl.constexpr = CLIP_ERROR_UNIT
 _ROUNDING_BITS: tl.constexpr = ROUNDING_BITS
 _ROUNDING_LIMIT: tl.constexpr = ROUNDING_LIMIT
+_ROUNDING_BLOCK: tl.constexpr = ROUNDING_BLOCK
 
 
 @triton.jit
@@ -86,12 +87,14 @@ def _clipped_scale(x, non_finite, QMAX: tl.constexpr, AXIS: tl.constexpr):
 def _rounded_codes(groups, scale, R, n_groups, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr,
                    BLOCK_S: tl.constexpr, N_GROUPS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
     """Codes of ``groups [BLOCK_S, N_GROUPS, GROUP]`` with fp16 ``scale [BLOCK_S, N_GROUPS]``, rounded
-    against the queries as :func:`kvpass.reference._rounded_codes` does: channel by channel, each
-    passing its error on by the shares at ``R`` (one append's ``[n_groups, GROUP, GROUP]``, contiguous),
-    in integers of ``2**-ROUNDING_BITS`` codes so that no step depends on how arithmetic is fused.
-    Also returns which groups are regular (finite values, a finite non-zero scale): the others take
-    the nearest codes."""
+    against the queries as :func:`kvpass.reference._rounded_codes` does: ``ROUNDING_BLOCK`` channels at
+    a time, each block passing its errors on by the shares at ``R`` (one append's ``[n_groups, GROUP,
+    GROUP]``, contiguous), in integers of ``2**-ROUNDING_BITS`` codes so that no step depends on how
+    arithmetic is ordered or fused. Also returns which groups are regular (finite values, a finite
+    non-zero scale): the others take the nearest codes."""
     UNIT: tl.constexpr = 1 << _ROUNDING_BITS
+    RB: tl.constexpr = _ROUNDING_BLOCK
+    N_BLOCKS: tl.constexpr = GROUP // RB
     scale = scale.to(tl.float32)
     empty = (scale == 0) | (scale != scale)
     t = _div_rn(groups, tl.expand_dims(tl.where(empty, 1.0, scale), 2)) * UNIT
@@ -99,22 +102,24 @@ def _rounded_codes(groups, scale, R, n_groups, CODE_MIN: tl.constexpr, CODE_MAX:
     regular = ~(bad | empty)
     t = tl.where(tl.expand_dims(regular, 2), t, 0.0)
     t = tl.minimum(tl.maximum(t, -_ROUNDING_LIMIT * 1.0), _ROUNDING_LIMIT * 1.0)
-    t = ((t + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int64)
+    t = tl.reshape(((t + _ROUND_MAGIC) - _ROUND_MAGIC).to(tl.int64), [BLOCK_S, N_GROUPS, N_BLOCKS, RB])
     offs_g = tl.arange(0, N_GROUPS)
+    offs_r = tl.arange(0, RB)
     offs_j = tl.arange(0, GROUP)
-    column = tl.broadcast_to(offs_j[None, None, :], [BLOCK_S, N_GROUPS, GROUP])
-    codes = tl.zeros([BLOCK_S, N_GROUPS, GROUP], dtype=tl.int64)
-    for i in range(GROUP):
-        t_i = tl.sum(tl.where(column == i, t, 0), axis=2)  # [BLOCK_S, N_GROUPS]
-        code = (t_i.to(tl.float32) * (1.0 / UNIT) + _ROUND_MAGIC) - _ROUND_MAGIC
+    block_of = tl.broadcast_to(tl.arange(0, N_BLOCKS)[None, None, :, None], [BLOCK_S, N_GROUPS, N_BLOCKS, RB])
+    codes = tl.zeros([BLOCK_S, N_GROUPS, N_BLOCKS, RB], dtype=tl.int64)
+    for k in range(N_BLOCKS):
+        t_k = tl.sum(tl.where(block_of == k, t, 0), axis=2)  # [BLOCK_S, N_GROUPS, RB]
+        code = (t_k.to(tl.float32) * (1.0 / UNIT) + _ROUND_MAGIC) - _ROUND_MAGIC
         code = tl.minimum(tl.maximum(code, CODE_MIN * 1.0), CODE_MAX * 1.0).to(tl.int64)
-        codes = tl.where(column == i, tl.expand_dims(code, 2), codes)
-        error = t_i - code * UNIT
-        shares = tl.load(R + offs_g[:, None] * GROUP * GROUP + i * GROUP + offs_j[None, :],
-                         mask=offs_g[:, None] < n_groups, other=0)  # [N_GROUPS, GROUP]
-        t = t - ((tl.expand_dims(error, 2) * tl.expand_dims(shares, 0)) >> _ROUNDING_BITS)
+        codes = tl.where(block_of == k, tl.expand_dims(code, 2), codes)
+        error = t_k - code * UNIT
+        rows = offs_g[:, None, None] * GROUP * GROUP + (k * RB + offs_r[None, :, None]) * GROUP + offs_j[None, None, :]
+        shares = tl.load(R + rows, mask=offs_g[:, None, None] < n_groups, other=0)  # [N_GROUPS, RB, GROUP]
+        passed = tl.sum(tl.expand_dims(error, 3) * tl.expand_dims(shares, 0), axis=2) >> _ROUNDING_BITS
+        t = t - tl.reshape(passed, [BLOCK_S, N_GROUPS, N_BLOCKS, RB])
         t = tl.minimum(tl.maximum(t, -_ROUNDING_LIMIT), _ROUNDING_LIMIT)
-    return codes.to(tl.int32), regular
+    return tl.reshape(codes, [BLOCK_S, N_GROUPS, GROUP]).to(tl.int32), regular
 
 
 @triton.jit
