@@ -594,10 +594,15 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     second = q.mT @ q / q.shape[-2]
     mean_diag = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
     eye = torch.eye(g, dtype=torch.float64, device=query.device)
-    usable = torch.isfinite(second).all(-1, keepdim=True).all(-2, keepdim=True) & (mean_diag > 0)
+    # Squares of fp32 values cannot overflow fp64: finite queries give a finite H.
+    usable = torch.isfinite(q).all(-1, keepdim=True).all(-2, keepdim=True) & (mean_diag > 0)
     hessian = torch.where(usable, second + ROUNDING_DAMPING * mean_diag * eye, eye)
-    # GPTQ's rows: the upper Cholesky factor of H^-1, each row over its diagonal entry.
-    factor = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hessian)), upper=True)
+    # GPTQ's rows: the upper Cholesky factor of H^-1, each row over its diagonal entry. That factor is
+    # the inverse of the lower factor of H with the channel order reversed, reversed back: one
+    # factorization and one triangular solve (a decode step pays for each call on CPU). H is positive
+    # definite by construction, so the factorization needs no check (which would sync a GPU).
+    lower, _ = torch.linalg.cholesky_ex(hessian.flip(-1, -2))
+    factor = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-1, -2)
     block = torch.arange(g, device=query.device) // ROUNDING_BLOCK
     shares = (factor / factor.diagonal(dim1=-2, dim2=-1)[..., None]) * (block[:, None] < block[None, :])
     return torch.round(shares * 2.0**ROUNDING_BITS).clamp(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
