@@ -195,6 +195,47 @@ def check_attention(kernels) -> bool:
     return ok
 
 
+QUERY_ROUNDED = dataclasses.replace(DEFAULT[0], query_rounded=True)
+
+
+def check_query_rounding(kernels) -> bool:
+    """Query-rounded K: the native kernel's codes against the reference's (bit for bit: the shares
+    are integers), then what a decode step's K append costs with and without it (the shares from
+    the step's queries, then the kernel), per call."""
+    from kvpass import ops
+
+    ok = True
+    for spec, (B, H, G, T, D) in ((QUERY_ROUNDED, (2, 8, 4, 1, 128)), (QUERY_ROUNDED, (1, 8, 4, 777, 128)),
+                                  (dataclasses.replace(QUERY_ROUNDED, bits=8), (2, 2, 3, 33, 64)),
+                                  (QUERY_ROUNDED, (1, 1, 4, 300, 256))):  # fmt: skip
+        for dtype in (torch.float16, torch.bfloat16):
+            x = reference.rotate((torch.randn(B, H, T, D, device="cuda") * 3).to(dtype))
+            q = torch.randn(B, H * G, T, D, device="cuda", dtype=dtype)
+            rounding = reference.rounding_coefficients(q, H, None, spec)
+            expected = reference.quantize(x, spec, rounding)
+            got = kernels.quantize(x, spec, rounding)
+            good = torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            ok &= good
+            print(f"query rounding B{B} H{H} T{T} D{D} {spec.tag:42} {str(dtype)[6:]:8} {'ok' if good else 'MISMATCH'}")
+    spec = QUERY_ROUNDED
+    x, q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.float16), torch.randn(1, 32, 1, 128, device="cuda")
+    for name, append in (
+        ("nearest", lambda: ops.quantize_refined(x, *ops.codec_args(spec), spec.refine)),
+        ("query-rounded", lambda: ops.quantize_refined(
+            x, *ops.codec_args(spec), spec.refine, None, reference.rounding_coefficients(q, 8, None, spec))),
+    ):  # fmt: skip
+        for _ in range(10):
+            append()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            append()
+        torch.cuda.synchronize()
+        print(f"decode-step K append (8 KV heads x 128, 32 query heads), {name:13}: "
+              f"{(time.perf_counter() - start) / 200 * 1e6:.0f} us per call")
+    return ok
+
+
 def check_eager_sdpa(device: str = "cuda") -> bool:
     """An uncompiled SDPA over PackedKV K and V (generate's eager prefill into a static cache, a
     model run without torch.compile): the fused kernel torch picks for these inputs must be one
@@ -291,7 +332,7 @@ def main() -> int:
     torch.manual_seed(0)
     start = time.time()
     ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
-    ok &= check_narrow_heads() & check_eager_sdpa() & check_cuda_graph_decode()
+    ok &= check_narrow_heads() & check_query_rounding(kernels) & check_eager_sdpa() & check_cuda_graph_decode()
     print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
     return 0 if ok else 1
 

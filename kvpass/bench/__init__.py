@@ -56,8 +56,8 @@ def fp16_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
 
 
-def stepper(model, how: str):
-    """``(step, new_cache)`` for a cache kind of :data:`CACHES`."""
+def stepper(model, how: str, kv4_settings: dict | None = None):
+    """``(step, new_cache)`` for a cache kind of :data:`CACHES` (``kv4``: ``kvpass.kv4(**kv4_settings)``)."""
     from transformers import DynamicCache
 
     if how == "dynamic":
@@ -71,7 +71,7 @@ def stepper(model, how: str):
 
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(model, backend=kvpass.kv4()), DynamicCache
+        return torch.compile(model, backend=kvpass.kv4(**(kv4_settings or {}))), DynamicCache
     if how == "quanto":
         from transformers import QuantizedCache
 

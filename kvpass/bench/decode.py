@@ -7,8 +7,8 @@ the ``fp`` (eager ``DynamicCache``) median measured in the same run at the same 
 
 Methods: ``fp`` (eager DynamicCache), ``fp-compiled`` (``torch.compile(backend="eager")``
 over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), ``kv4``
-(``torch.compile(model, backend=kvpass.kv4())``, default settings), ``quanto`` (HF
-``QuantizedCache``, quanto int4, eager).
+(``torch.compile(model, backend=kvpass.kv4())``, default settings), ``kv4-qr`` (the same with
+``k_query_rounded=True``), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
 
 ``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
@@ -28,7 +28,9 @@ import torch
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
-_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "quanto": "quanto"}
+_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "quanto": "quanto"}
+# kvpass.kv4 settings of the kv4 methods other than the default.
+_KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True)}
 
 
 def _pack(cache, backend_config, query_heads: int):
@@ -50,13 +52,13 @@ def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps
     from kvpass import bench
     from transformers import DynamicCache
 
-    how = _HOW[method]
-    step, new_cache = bench.stepper(model, how)
+    how, settings = _HOW[method], _KV4_SETTINGS.get(method, {})
+    step, new_cache = bench.stepper(model, how, settings)
     vocab = model.config.vocab_size
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
         cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab)
-        cache = _pack(cache, kvpass.kv4().config, model.config.num_attention_heads)
+        cache = _pack(cache, kvpass.kv4(**settings).config, model.config.num_attention_heads)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
     fill_s = time.perf_counter() - t0
@@ -99,7 +101,7 @@ def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=
             first = (str(exc).strip().splitlines() or [""])[0]
             row = dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
         rows.append(row)
-        if method in ("kv4", "fp-compiled"):
+        if _HOW[method] in ("kv4", "compiled"):
             torch._dynamo.reset()
     base = {r["ctx"]: r["median_ms"] for r in rows if r["method"] == "fp" and "median_ms" in r}
     for r in rows:
