@@ -54,7 +54,7 @@ Methods (``--methods``, comma separated):
   ``-kpN`` (last) takes K's offset and query scales over up to N tokens after the sinks instead of
   64, and a deferring K waits for N (``kvpass.kv4(k_prefix_tokens=N)``), e.g. ``kv4-kp512``.
   ``-qr`` (after all of them) chooses K's codes against each append's queries instead of rounding
-  to nearest (``kvpass.kv4(k_query_rounded=True)``; real backend only), e.g. ``kv4-qr``.
+  to nearest (``kvpass.kv4(k_query_rounded=True)``), e.g. ``kv4-qr``.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -212,8 +212,6 @@ def parse_method(name: str) -> Method:
     if m["prefix_tokens"]:
         kwargs["k_prefix_tokens"] = int(m["prefix_tokens"])
     if m["query_rounded"]:
-        if m["sim"]:
-            raise ValueError(f"{name}: query rounding (-qr) runs in the real backend only, not in the twin: drop sim-")
         kwargs["k_query_rounded"] = True
     if m["layers"]:
         if m["sim"]:

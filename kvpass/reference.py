@@ -701,13 +701,13 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,
-                        sinks: int | None = None, rounding: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                        sinks: int | None = None, quantizer=quantize) -> torch.Tensor:  # fmt: skip
     """What a cache holding ``x`` (built in one go or by appends) gives back; whole groups only for
     channel. Its first ``sinks`` tokens stay unquantized (in :func:`sink_dtype`), the rest are
-    quantized minus ``offset`` (a centered spec's, if any), with ``rounding`` if given (one append's),
-    the newest :func:`refined_tokens` of them refined. Without ``sinks``, both are what a cache whose
-    first append is ``x`` takes (:meth:`QuantSpec.prefix`; ``offset`` then defaults to
-    :func:`center_offset`)."""
+    quantized minus ``offset`` (a centered spec's, if any) by ``quantizer`` (:func:`quantize`, or the
+    codes a query-rounded cache chose for them), the newest :func:`refined_tokens` of them refined.
+    Without ``sinks``, both are what a cache whose first append is ``x`` takes
+    (:meth:`QuantSpec.prefix`; ``offset`` then defaults to :func:`center_offset`)."""
     B, H, S, D = x.shape
     if sinks is None:
         sinks, takes_offset = spec.prefix(S)
@@ -717,7 +717,7 @@ def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor |
     n_head = min(sinks, S)
     n_quant = S - S % spec.group if spec.scheme == "channel" else S
     quantized = _centered(stored[:, :, n_head:n_quant], offset)
-    codes, scales = quantize(quantized, spec, rounding)
+    codes, scales = quantizer(quantized, spec)
     n_fine = refined_tokens(spec, n_head + quantized.shape[2], D, n_head, offset)
     fine = second_plane(quantized, codes, scales, spec, n_fine) if spec.refine else ()
     head = stored[:, :, :n_head].to(sink_dtype(x.dtype)) if n_head else None

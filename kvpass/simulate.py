@@ -20,6 +20,10 @@ layer's first update, which reach attention, never the cache: run the model insi
 A K spec that defers its prefix (``QuantSpec.defer_prefix``) is read exact until a layer holds
 ``spec.prefix_tokens`` tokens, as kv4 holds it, and from the next update on quantized as one first
 append of all the tokens it held then (with all their queries).
+A query-rounded K spec (``QuantSpec.query_rounded``) rounds the tokens each update quantizes against
+that update's queries, as kv4's append does; since those depend on the update, not on the tokens
+alone, each token is encoded once and its codes kept between reads (the only exception to
+re-quantizing the past).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
-    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_energy, query_key_scales, quantize_dequantize,
+    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_energy, query_key_scales, quantize,
+    quantize_dequantize, rounding_coefficients,
 )  # fmt: skip
 
 
@@ -98,7 +103,9 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     each spec took."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec, unscaled
         # Nor does it wait for its prefix: V's reads would need it before it is fixed.
-        k_spec = v_spec = None if k_spec is None else dataclasses.replace(k_spec, query_scaled=False, defer_prefix=False)
+        k_spec = v_spec = None if k_spec is None else dataclasses.replace(
+            k_spec, query_scaled=False, defer_prefix=False, query_rounded=False
+        )  # fmt: skip
     k_spec, v_spec = (
         None if spec is None else spec.for_head_dim(x.shape[-1])
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
@@ -108,10 +115,10 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)])
         if k_spec is not None and k_spec.defer_prefix:
             state["queries"] = []  # K waits, exact, for prefix_tokens tokens (and their queries)
-    elif "first_keys" in state:
+    elif "first_keys" in state or "rounding_pending" in state:
         raise QueriesNotObserved(
-            f"K spec {k_spec.tag} takes query scales from the first update's queries, and no attention call "
-            "handed them over: run the model inside kvpass.simulate.observed_queries()"
+            f"K spec {k_spec.tag} takes query scales or rounding from an update's queries, and no attention "
+            "call handed them over: run the model inside kvpass.simulate.observed_queries()"
         )
     state["seen"] += key_states.shape[2]
     full_k, full_v = base_update(key_states, value_states, *args, **kwargs)
@@ -121,6 +128,13 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     where = (*fp_tokens.quantized(past), evicted, past)
     read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where)
     deferred = "queries" in state
+    if k_spec is not None and k_spec.query_rounded and not (deferred and k_spec.waits(full_k.shape[2])):
+        # The tokens this update quantizes, as kv4's append does: a first (or the crossing) append all the
+        # layer holds, later ones their own; rounded against this update's queries once they come.
+        seen = state["seen"]
+        state.update(rounding_pending=(0 if deferred or first_update else seen - key_states.shape[2], seen),
+                     rounded_spec=k_spec, kv_heads=key_states.shape[1])  # fmt: skip
+        _await_queries(state)
     if deferred or first_update:
         # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
         # brings the layer to prefix_tokens, from all of them, as a first append of them would.
@@ -139,21 +153,46 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         state["prefixes"][0] = _prefix(first_keys, k_spec)
         if deferred:
             return full_k, read_v
-    return _read(full_k, k_spec, state["prefixes"][0], state.get("query_scales"), *where), read_v
+    return _read(full_k, k_spec, state["prefixes"][0], state.get("query_scales"), *where, state), read_v
 
 
-def _read(full, spec, prefix, query_scales, start, stop, evicted, past):
+def _read(full, spec, prefix, query_scales, start, stop, evicted, past, state=None):
     """``full`` (a layer's tokens) with its tokens ``[start, stop)`` (and the spec's sinks) as the
-    cache stored them after the previous step, quantized with ``prefix``, ``(sinks, offset)``."""
+    cache stored them after the previous step, quantized with ``prefix``, ``(sinks, offset)``; a
+    query-rounded spec's codes as ``state`` (the layer's) rounded them (:func:`_rounded_by_append`)."""
     sinks, offset = prefix
     held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
     first = max(start, held)
     if spec is None or stop <= first:
         return full
+    quantizer = functools.partial(_rounded_by_append, state, evicted + first) if spec.query_rounded else quantize
     # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens: of k * s, read as k.
     stored = by_query_scales(full[:, :, first - held : stop], query_scales, 1)
-    stored = by_query_scales(quantize_dequantize(stored, spec, offset, sinks=held), query_scales, -1)
+    stored = by_query_scales(quantize_dequantize(stored, spec, offset, sinks=held, quantizer=quantizer), query_scales, -1)
     return torch.cat([full[:, :, : first - held], stored, full[:, :, stop:]], 2)
+
+
+def _rounded_by_append(state: dict, first: int, quantized: torch.Tensor, spec: QuantSpec):
+    """``(codes, scales)`` of a query-rounded layer's stored tokens ``first ..`` (counted from the
+    layer's first token), each rounded against the queries of the update that quantized it, as kv4
+    stores them. Each token is encoded once: later reads take its codes from ``state``, as they take
+    the same stored values."""
+    stop = first + quantized.shape[2]
+    start, codes, scales = state.get("encoded", (first, quantized.new_empty(0), None))
+    if first > start:  # a sliding window dropped the oldest
+        codes, scales, start = codes[:, :, first - start :], scales[:, :, first - start :], first
+    parts = [(codes, scales)] if scales is not None and codes.shape[2] else []
+    done = start + sum(part[0].shape[2] for part in parts)
+    for lo, hi, rounding in state.get("rounding", ()):
+        lo, hi = max(lo, done), min(hi, stop)
+        if lo < hi:
+            parts.append(quantize(quantized[:, :, lo - first : hi - first], spec, rounding))
+            done = hi
+    if start != first or done != stop:
+        raise QueriesNotObserved(f"tokens {done}-{stop} of a query-rounded K layer have no update's queries")
+    codes, scales = (torch.cat(tensors, 2) for tensors in zip(*parts))
+    state["encoded"] = (first, codes, scales)
+    return codes, scales
 
 
 def _await_queries(state: dict) -> None:
@@ -169,10 +208,21 @@ def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Ten
 
 def _take_queries(state: dict, query: torch.Tensor) -> None:
     """Hand a layer the queries of its latest update: kept while its K prefix waits (``queries``),
-    else they fix its query scales, and K's sinks and offset with them."""
-    if "first_keys" not in state:
+    else they fix its query scales, and K's sinks and offset with them; and they give the shares that
+    round a query-rounded K's tokens of that update (:func:`kvpass.reference.rounding_coefficients`)."""
+    if "first_keys" in state:
+        _fix_query_scales(state, query)
+    elif "queries" in state:
         state["queries"].append(query)
-        return
+    if "rounding_pending" in state:
+        lo, hi = state.pop("rounding_pending")
+        rounding = rounding_coefficients(query, state["kv_heads"], state.get("query_scales"), state["rounded_spec"])
+        state.setdefault("rounding", []).append((lo, hi, rounding))
+
+
+def _fix_query_scales(state: dict, query: torch.Tensor) -> None:
+    """The query scales of a layer's first update (or the one that ends its wait), from ``query`` and
+    the queries held before it, and K's sinks and offset with them."""
     first = state.pop("first_keys")
     query = torch.cat([*state.pop("queries", ()), query], 2)
     (B, kv_heads, T, D), (qB, heads, qT, qD) = first.shape, query.shape
@@ -236,9 +286,6 @@ class SimulatedKVCache(DynamicCache):
         layers: Collection[int] | None = None,
     ):  # fmt: skip
         super().__init__(config=config)
-        if any(spec is not None and spec.query_rounded for spec in (k_spec, v_spec)):
-            raise ValueError("query rounding (QuantSpec.query_rounded) is not simulated: the twin would round "
-                             "to nearest; run it through kv4")  # fmt: skip
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
             windows = {spec.window for spec in (k_spec, v_spec) if spec is not None}
             if len(windows) > 1:

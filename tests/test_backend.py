@@ -71,8 +71,9 @@ def test_small_heads_store_plain_groups_and_say_so(head_dim, kv_heads, ratio, no
         (KVConfig().k, KVConfig().v),
         (QuantSpec(4, "token", 64, rotate=True, clip=True, refine=64),) * 2,
         (dataclasses.replace(KVConfig().k, query_scaled=False), KVConfig().v),
+        (dataclasses.replace(KVConfig().k, query_rounded=True), KVConfig().v),
     ],
-    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined", "previous-default"],
+    ids=["kivi", "rotated", "asym", "kivi-rotated", "default", "refined", "previous-default", "query-rounded"],
 )
 @torch.no_grad()
 def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spec):
@@ -95,7 +96,7 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
         v_scheme=v_spec.scheme, v_group=v_spec.group, v_rotate=v_spec.rotate, v_symmetric=v_spec.symmetric,
         clip=k_spec.clip, refine=k_spec.refine, k_sinks=k_spec.sinks, k_center=k_spec.center,
-        k_query_scaled=k_spec.query_scaled,
+        k_query_scaled=k_spec.query_scaled, k_query_rounded=k_spec.query_rounded,
     )  # fmt: skip
     assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)
@@ -342,7 +343,8 @@ def test_query_scaled_keys_take_their_scales_from_the_sites_query():
 @torch.no_grad()
 def test_query_rounded_keys_are_handed_their_sites_query_at_every_write():
     """Query-rounded K: each K write, decode steps' too, gets its site's query; the cache stores the
-    scales and bytes of rounding to nearest, with other codes (PackedKV's tests check which)."""
+    scales and bytes of rounding to nearest, with other codes (which: PackedKV's tests, and the twin
+    above, "query-rounded")."""
     model, ids = kv_heavy_llama(), _ids(100, batch=2)
     caches = {}
     for rounded in (False, True):

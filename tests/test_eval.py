@@ -12,7 +12,6 @@ from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.models_zoo import build
-from kvpass.simulate import SimulatedKVCache
 from tests.helpers import kv_heavy_llama
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
@@ -66,9 +65,9 @@ def test_a_prefill_is_the_first_step_and_scoring_starts_after_it(model):
 
 # Sinks, offset, query scales and a deferred prefix need heads of 32 channels or more: the zoo's
 # Llama has 16, kv_heavy_llama 64.
-@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96"])
+@pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96", "kv4-qr"])
 def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
-    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96"):  # kp96: K waits through three chunks
+    if variant in ("kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96", "kv4-qr"):  # kp96: K waits through three chunks
         model = kv_heavy_llama(layers=1)
     ids = _tokens(160, seed=1)[None]
     ppl_kv4 = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(variant)), ids, 32)
@@ -79,17 +78,42 @@ def test_kv4_and_simulation_give_the_same_perplexity(model, variant):
     assert ppl_kv4 != ppl_fp  # the cache really was quantized
 
 
+@torch.no_grad()
+def test_query_rounded_k_under_a_sliding_window_reads_as_the_twin_does():
+    """A sliding window (100 tokens) evicts query-rounded keys: the twin keeps each token's codes from
+    the update that quantized it (the queries of that update), dropping them as the window moves.
+    Decoded one token at a time past the window."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=100,
+                           max_position_embeddings=512)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = _tokens(130, seed=5)[None]
+    ppl = {}
+    for name in ("kv4-qr", "sim-kv4-qr", "kv4"):
+        torch._dynamo.reset()
+        ppl[name] = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(name)), ids, 1, prefill=70)
+    assert ppl["kv4-qr"] == pytest.approx(ppl["sim-kv4-qr"], rel=1e-4)
+    assert ppl["kv4-qr"] != ppl["kv4"]
+
+
 def test_kv4_waits_for_k_prefix_token_by_token_as_the_twin_does():
     """One token at a time from an empty cache: the decode step that brings K to 64 tokens quantizes
-    all of them inside a graph, with the queries of every step gathered there."""
+    all of them inside a graph, with the queries of every step gathered there (query-rounded: rounded
+    against that step's queries, and every later token against its own)."""
     model = kv_heavy_llama(layers=1)
     ids = _tokens(90, seed=4)[None]
     ppl = {}
-    for name in ("kv4", "sim-kv4", "kv4-rot-mse-r64-ks4-kc-qs"):
+    for name in ("kv4", "sim-kv4", "kv4-rot-mse-r64-ks4-kc-qs", "kv4-qr", "sim-kv4-qr"):
         torch._dynamo.reset()
         ppl[name] = kv_eval.perplexity(kv_eval.Runner(model, kv_eval.parse_method(name)), ids, 1)
     assert ppl["kv4"] == pytest.approx(ppl["sim-kv4"], rel=1e-4)
+    assert ppl["kv4-qr"] == pytest.approx(ppl["sim-kv4-qr"], rel=1e-4)
     assert ppl["kv4"] != ppl["kv4-rot-mse-r64-ks4-kc-qs"]  # it did defer
+    assert ppl["kv4"] != ppl["kv4-qr"]  # and rounded
 
 
 def test_greedy_agreement_of_fp_with_itself_is_one(model):
@@ -259,13 +283,10 @@ def test_method_names():
     assert mixed.scheme.endswith(", K int8 in layers 11, 15")
     with pytest.raises(ValueError, match="only in the real backend"):
         kv_eval.parse_method("sim-kv4-k8@11")
-    # -qr: K's codes rounded against each append's queries (real backend only)
+    # -qr: K's codes rounded against each append's queries, in kv4 and in the twin
     assert kv_eval.parse_method("kv4-qr").specs == (dataclasses.replace(KVConfig().k, query_rounded=True), KVConfig().v)
     assert kv_eval.parse_method("kv4-qr").fp16_ratio(4096, 3, 64) == kv_eval.parse_method("kv4").fp16_ratio(4096, 3, 64)
-    with pytest.raises(ValueError, match=r"query rounding \(-qr\) runs in the real backend only"):
-        kv_eval.parse_method("sim-kv4-qr")
-    with pytest.raises(ValueError, match="query rounding .* is not simulated"):
-        SimulatedKVCache(kv_heavy_llama().config, dataclasses.replace(KVConfig().k, query_rounded=True), None)
+    assert kv_eval.parse_method("sim-kv4-qr").specs == kv_eval.parse_method("kv4-qr").specs
     with pytest.raises(ValueError):
         kv_eval.parse_method("kv4-g48")
     with pytest.raises(ValueError):
@@ -303,7 +324,7 @@ def test_fp_tokens_window_and_sinks_bounds():
 
 def test_simulated_cache_reads_fp_sinks_and_window_and_reference_in_between(model):
     from kvpass.reference import quantize_dequantize
-    from kvpass.simulate import FpTokens
+    from kvpass.simulate import FpTokens, SimulatedKVCache
 
     k_spec, v_spec = kv_eval.parse_method("kv4-rot").specs
     fp = FpTokens(sinks=3, window=16, flush=8)
