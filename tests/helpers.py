@@ -19,6 +19,21 @@ def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0, kv_heads=
     return model.eval()
 
 
+def sliding_mistral(window=100):
+    """A one-layer Mistral whose sliding window keeps ``window - 1`` past tokens, heads of 64 channels
+    (wide enough for every extra of K's spec)."""
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=window, max_position_embeddings=512,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return model.eval()
+
+
 def cache_tensors(cache):
     """Every attention layer's K and V (a hybrid cache's recurrent layers hold neither)."""
     for layer in cache.layers:

@@ -15,7 +15,7 @@ from kvpass import passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
-from tests.helpers import cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes
+from tests.helpers import cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes, sliding_mistral
 
 
 def _ids(n, batch=1, seed=0):
@@ -421,14 +421,8 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
 
 @torch.no_grad()
 def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wait_for_good():
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=100,
-                           max_position_embeddings=512)  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = sliding_mistral()
+    config = model.config
     note = "K's sliding window keeps 99 tokens, under the 128 its prefix waits for"
     for prefix_tokens in (64, 128):
         torch._dynamo.reset()

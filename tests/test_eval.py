@@ -12,7 +12,7 @@ from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.models_zoo import build
-from tests.helpers import kv_heavy_llama
+from tests.helpers import kv_heavy_llama, sliding_mistral
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
@@ -83,14 +83,7 @@ def test_query_rounded_k_under_a_sliding_window_reads_as_the_twin_does():
     """A sliding window (100 tokens) evicts query-rounded keys: the twin keeps each token's codes from
     the update that quantized it (the queries of that update), dropping them as the window moves.
     Decoded one token at a time past the window."""
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    config = MistralConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=100,
-                           max_position_embeddings=512)  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = sliding_mistral()
     ids = _tokens(130, seed=5)[None]
     ppl = {}
     for name in ("kv4-qr", "sim-kv4-qr", "kv4"):
