@@ -358,10 +358,10 @@ def check_one(model_type: str, routes: bool = False) -> dict:
                 expected = _twin_logits(model, ids, nxt, twin_k, defaults.v)
             except QueriesNotObserved:
                 # Attention outside transformers' AttentionInterface hands the twin no queries: check
-                # kv4's numbers without query scales (its sites and bytes above are the default's).
+                # kv4's numbers without what it takes from them (its sites and bytes above are the default's).
                 checked_unscaled = True
                 torch._dynamo.reset()
-                unscaled = kvpass.kv4(k_query_scaled=False)
+                unscaled = kvpass.kv4(k_query_scaled=False, k_query_rounded=False)
                 check_step, check = torch.compile(model, backend=unscaled), DynamicCache(config=model.config)
                 check_step(input_ids=ids, past_key_values=check, use_cache=True)
                 got = check_step(input_ids=nxt, past_key_values=check, use_cache=True).logits
@@ -377,7 +377,9 @@ def check_one(model_type: str, routes: bool = False) -> dict:
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     status, reasons = site_status(sites, len(tensors), len(packed))
     if checked_unscaled:
-        reasons.append("logits checked without query scales: attention outside transformers' AttentionInterface "
+        unused = " and ".join(what for what, used in (("query scales", defaults.k.query_scaled),
+                                                       ("query rounding", defaults.k.query_rounded)) if used)  # fmt: skip
+        reasons.append(f"logits checked without {unused}: attention outside transformers' AttentionInterface "
                        "hands the eager twin no queries")  # fmt: skip
     if routes and status == "rewritten":
         row["routes"] = check_routes(model)

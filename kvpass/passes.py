@@ -1346,6 +1346,9 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             query, why = _scales_query(attn, k, v, order)
             if query is None:
                 notes.append(f"K is stored without {' and '.join(uses)}: {why}")
+        if query is None and k_spec.query_rounded:
+            # Codes rounded to nearest say so in their spec: the twin and readers go by it.
+            site_config = dataclasses.replace(site_config, k=dataclasses.replace(k_spec, query_rounded=False))
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, query)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1

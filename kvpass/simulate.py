@@ -319,10 +319,14 @@ class RoundedKVCache(DynamicCache):
 
 def k_spec_as_stored(k_spec: QuantSpec, keys) -> QuantSpec:
     """``k_spec`` as kv4 stored these packed K caches: without query scales where one holds none
-    after a long enough prompt (a site kept K unscaled, e.g. tiled query heads, which the twin
-    cannot tell from GQA groups by their shapes)."""
+    after a long enough prompt, without query rounding where one's spec lacks it (a site kept K
+    unscaled or rounded to nearest, e.g. tiled query heads, which the twin cannot tell from GQA
+    groups by their shapes)."""
     unscaled = any(t.spec.query_scaled and fixed_or_none(t.query_scales) is None for t in keys)
-    return dataclasses.replace(k_spec, query_scaled=False) if unscaled else k_spec
+    unrounded = any(k_spec.for_head_dim(t.shape[-1]).query_rounded and not t.spec.query_rounded for t in keys)
+    return dataclasses.replace(
+        k_spec, query_scaled=k_spec.query_scaled and not unscaled, query_rounded=k_spec.query_rounded and not unrounded
+    )  # fmt: skip
 
 
 def observing_queries(model):

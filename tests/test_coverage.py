@@ -1,5 +1,6 @@
 """The support matrix's tiny-config builder: shrunk configs stay consistent (no full matrix run here)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -124,6 +125,19 @@ def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch, model_type):
     assert row["status"] == "rewritten" and row["bytes_ratio"] == 0.312 and row["logits_error"] < 1e-4
     with pytest.raises(ValueError, match="head_dim must be an even int >= 2"):
         coverage.set_head_dim(7)
+
+
+def test_a_model_the_twin_sees_no_queries_of_is_checked_without_what_k_takes_from_them(monkeypatch):
+    # Bloom's attention bypasses transformers' AttentionInterface; with a default that also rounds
+    # K against the queries, its check must leave both out, and say so.
+    from kvpass import backend
+    from kvpass.config import KVConfig
+
+    rounding = KVConfig()
+    monkeypatch.setattr(backend, "_DEFAULT", dataclasses.replace(rounding, k=dataclasses.replace(rounding.k, query_rounded=True)))
+    row = check_one("bloom")
+    assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
+    assert "logits checked without query scales and query rounding" in row["reason"]
 
 
 def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():

@@ -102,9 +102,9 @@ MODELS = {
 }
 
 
-def _model(name):
-    config_class, sizes, _ = MODELS[name]
-    config = getattr(transformers, config_class)(**COMMON, **sizes)
+def _model(name, **sizes):
+    config_class, default_sizes, _ = MODELS[name]
+    config = getattr(transformers, config_class)(**COMMON, **{**default_sizes, **sizes})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
@@ -114,11 +114,9 @@ def _model(name):
     return model
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-@torch.no_grad()
-def test_form_rewritten_and_matches_reference(name):
-    torch._dynamo.reset()
-    model = _model(name)
+def _decode_with_kv4_and_twin(model, backend):
+    """One decode step's logits after a 70-token prompt, through ``backend`` and through the eager twin
+    reading the past as kv4 stored it; and kv4's cache."""
     # 70 tokens: K takes fp sinks and an offset (a prompt of 64 or more), which sliding windows evict.
     ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(0))
     nxt = torch.randint(3, 256, (2, 1), generator=torch.Generator().manual_seed(1))
@@ -129,7 +127,6 @@ def test_form_rewritten_and_matches_reference(name):
         {"input_ids": ids, "attention_mask": mask},
         {"input_ids": nxt, "attention_mask": torch.cat([mask, mask[:, :1]], 1)},
     ]
-    backend = kvpass.kv4()
     # JetMoE's deprecation wrappers share one code object and can use up the default limit of 8,
     # after which the decode step would run uncompiled.
     with torch._dynamo.config.patch(recompile_limit=64):
@@ -138,6 +135,22 @@ def test_form_rewritten_and_matches_reference(name):
         step(**inputs[0], past_key_values=cache, use_cache=True)
         got = step(**inputs[1], past_key_values=cache, use_cache=True).logits
 
+    config = backend.config
+    k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # JetMoE's tiled heads: unscaled
+    reference = SimulatedKVCache(model.config, k_spec, config.v)
+    with observed_queries():
+        model(**inputs[0], past_key_values=reference, use_cache=True)
+        expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
+    return got, expected, cache
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@torch.no_grad()
+def test_form_rewritten_and_matches_reference(name):
+    torch._dynamo.reset()
+    model = _model(name)
+    backend = kvpass.kv4()
+    got, expected, cache = _decode_with_kv4_and_twin(model, backend)
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert all(site.rewritten for site in sites), [site.reason for site in sites if not site.rewritten]
     assert {site.form for site in sites} == MODELS[name][2]
@@ -146,14 +159,21 @@ def test_form_rewritten_and_matches_reference(name):
     assert all(isinstance(t, PackedKV) for layer in cache.layers for t in (layer.keys, layer.values))
     # No fp concatenation of the cache is left: every reader reads the packed past.
     assert not any(re.search(r"torch\.cat\(\[\w*layers_\d+_(keys|values)", graph.after) for graph in backend.graphs)
-
-    config = backend.config
-    k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # JetMoE's tiled heads: unscaled
-    reference = SimulatedKVCache(model.config, k_spec, config.v)
-    with observed_queries():
-        model(**inputs[0], past_key_values=reference, use_cache=True)
-        expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_query_rounded_k_at_a_site_without_a_query_is_stored_and_simulated_rounded_to_nearest():
+    torch._dynamo.reset()
+    # JetMoE tiles its query heads, so its site hands K no query; 32 channels keep K's extras.
+    model = _model("jetmoe", kv_channels=32)
+    backend = kvpass.kv4(k_query_rounded=True)
+    got, expected, cache = _decode_with_kv4_and_twin(model, backend)
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten and "K is stored without query scales and query rounding" in site.reason
+               for site in sites)  # fmt: skip
+    assert all(not layer.keys.spec.query_rounded and layer.keys.spec.query_scaled for layer in cache.layers)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
 def _tiny_deepseek_v3():

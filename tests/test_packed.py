@@ -855,3 +855,13 @@ def test_a_deferred_query_rounded_prefix_is_rounded_against_the_append_that_quan
     plain = PackedKV.from_float(tokens, dataclasses.replace(spec, query_rounded=False), q)
     assert torch.equal(p.query_scales, plain.query_scales) and torch.equal(p.offset, plain.offset)
     assert torch.equal(p.codes, _codes_rounded_against(p, tokens[:, :, 4:], q[:, :, 40:70]))
+
+
+def test_keys_stored_rounded_to_nearest_are_simulated_so():
+    """A site that hands K no query stores it with a spec without query rounding: the twin reads
+    every layer so, but not for heads too narrow to take it (their spec never has it)."""
+    q, x = _mismatched_queries_and_keys(80)
+    rounded, nearest = PackedKV.from_float(x, QUERY_ROUNDED, q), PackedKV.from_float(x, QUERY_SCALED, q)
+    narrow = PackedKV.from_float(x[..., :16], QUERY_ROUNDED.for_head_dim(16), q[..., :16])
+    assert k_spec_as_stored(QUERY_ROUNDED, [rounded, narrow]) == QUERY_ROUNDED
+    assert k_spec_as_stored(QUERY_ROUNDED, [rounded, nearest]) == QUERY_SCALED
