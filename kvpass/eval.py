@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -239,8 +240,10 @@ class Runner:
         self.method = method
         self.model = model
         self.backend = None
+        # A cache built from the config evicts sliding layers' old tokens, as generate's does.
+        model_cache = functools.partial(DynamicCache, config=model.config)
         if method.kind == "fp":
-            self.step, self.new_cache = model, DynamicCache
+            self.step, self.new_cache = model, model_cache
         elif method.kind == "sim":
             from kvpass.simulate import SimulatedKVCache, observing_queries
 
@@ -262,7 +265,7 @@ class Runner:
             # the default limit of 8 when one compiled model serves perplexity and greedy runs.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.backend = kvpass.kv4(**method.backend_kwargs)
-            self.step, self.new_cache = torch.compile(model, backend=self.backend), DynamicCache
+            self.step, self.new_cache = torch.compile(model, backend=self.backend), model_cache
         else:
             raise ValueError(method.kind)
 

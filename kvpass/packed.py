@@ -668,12 +668,22 @@ def _slice_impl(func, args, kwargs):
         return _map_inner(t, lambda x: x[start:end])
     if not _seq_dim(dim):
         return NotImplemented
-    start, end, _ = slice(start, end).indices(t.shape[2])
+    start, end = (_slice_bound(bound, t.shape[2], default) for bound, default in ((start, 0), (end, t.shape[2])))
     if start == 0:
         return _crop(t, end)
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
         return _token_range(t, start, end)
     return NotImplemented
+
+
+def _slice_bound(bound, length, default):
+    """``bound`` clamped into ``[0, length]`` as ``slice.indices`` would, without its ``int()``: that
+    would specialise a compiled graph on the cache's length (a sliding layer's eviction every step)."""
+    if bound is None:
+        return default
+    if bound < 0:
+        bound = bound + length
+    return torch.sym_min(torch.sym_max(bound, 0), length)
 
 
 def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:

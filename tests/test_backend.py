@@ -434,3 +434,24 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
         keys = out.past_key_values.layers[0].keys
         assert keys._waiting == (prefix_tokens == 128) and keys.shape[2] == 99
         assert (note in backend.graphs[-1].sites[0].reason) == (prefix_tokens == 128)
+
+
+@torch.no_grad()
+def test_a_sliding_layers_eviction_does_not_compile_a_graph_per_decode_step():
+    """HF's sliding layer slices its cache to the window every update; a slice that specialised the
+    graph on the cache's length would recompile every decode step until the window is full (Gemma
+    3's 512 tokens). New graphs come only in the first steps, and as the window fills and its sinks
+    leave it."""
+    torch._dynamo.reset()
+    model = sliding_mistral()
+    ids = _ids(130, seed=5)
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    cache = DynamicCache(config=model.config)
+    step(input_ids=ids[:, :70], past_key_values=cache, use_cache=True)
+    graphs = {}
+    for token in range(70, 130):
+        step(input_ids=ids[:, token : token + 1], past_key_values=cache, use_cache=True)
+        graphs[token] = len(backend.graphs)
+    assert cache.layers[0].keys.shape[2] == 99 and isinstance(cache.layers[0].keys, PackedKV)
+    assert graphs[98] == graphs[75] and graphs[129] == graphs[110]
