@@ -6,6 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 
 import torch
 
@@ -45,7 +46,9 @@ def run_demo(args) -> None:
     fp_out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
     backend = kvpass.kv4()
     model.compile(backend=backend)
+    start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
+    seconds = time.perf_counter() - start
 
     # Newer transformers name the output's cache `cache` and warn on the old `past_key_values`.
     fp_cache, cache = (o["cache"] if "cache" in o else o.past_key_values for o in (fp_out, out))
@@ -60,6 +63,9 @@ def run_demo(args) -> None:
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, "
           f"{fp_bytes / stored:.2f}x smaller), counted from the stored tensors")  # fmt: skip
     print(f"first layer keys: {cache.layers[0].keys!r}")
+    # A graph per decode step would mean a length the graphs specialise on: say how many there were.
+    print(f"kv4 generate: {seconds:.1f} s with compiling, {len(backend.graphs)} graphs compiled for "
+          f"{args.new_tokens} generated tokens")  # fmt: skip
     print(f"generated tokens equal to the unquantized model's before the first difference: {agreed} of {len(new)} "
           "(random weights give near-flat logits, so an early difference says little)")  # fmt: skip
     print("attention sites of the last compiled graph:")

@@ -449,11 +449,17 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
         )
 
 
+def _reads_only_shape(node: fx.Node) -> bool:
+    """Whether ``node`` reads a cache's sizes only (HF's sliding layer reads the length of its cache)."""
+    return node.op == "call_method" and node.target in ("size", "dim")
+
+
 def _replace_cache_write(
     graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict, query: fx.Node | None = None
 ) -> None:
     if write.node in packed_writes:
         return  # a cache several sites read (differential attention) is packed once
+    shape_readers = [user for user in write.node.users if _reads_only_shape(user)]
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
         kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {})}
@@ -465,8 +471,8 @@ def _replace_cache_write(
     # The attention chain reads the exact new tokens (prefill) or is dropped (decode);
     # every other reader (the graph output, i.e. the cache object) gets the packed cache.
     for user in list(write.node.users):
-        if user.op == "output" or user in write.evictions:
-            user.replace_input_with(write.node, packed)
+        if user.op == "output" or user in write.evictions or user in shape_readers:
+            user.replace_input_with(write.node, packed)  # the packed cache has the fp one's shape
     packed_writes[write.node] = packed
 
 
@@ -1121,7 +1127,7 @@ def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, share
     the new tokens (prefill) or ``cat([past.dequantize(), new])``. Returns (readers, has a past)."""
     write = _cache_write(node, None, "latent cache")
     _check_packable(write, config.v, "latent cache")
-    write.fp_readers = list(write.others)
+    write.fp_readers = [n for n in write.others if not _reads_only_shape(n)]
     _replace_cache_write(graph, write, config.v.for_head_dim(_val(write.new).shape[-1]), shared.packed)
     past_ctor = node.args[0][0]
     _erase_if_dead(graph, [node])
@@ -1327,7 +1333,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             notes.append(f"K's static buffer {k.past.name} was allocated with {held.tag} and keeps it, "
                          f"not these settings' {site_config.k.for_slots.tag}")  # fmt: skip
         for write, role in ((k, "K"), (v, "V")):
-            write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]
+            write.fp_readers = [n for n in write.others if n not in site_readers[write.node] and not _reads_only_shape(n)]
             if write.fp_readers:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")

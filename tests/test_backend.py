@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -437,11 +438,12 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
 
 
 @torch.no_grad()
-def test_a_sliding_layers_eviction_does_not_compile_a_graph_per_decode_step():
+def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     """HF's sliding layer slices its cache to the window every update; a slice that specialised the
     graph on the cache's length would recompile every decode step until the window is full (Gemma
     3's 512 tokens). New graphs come only in the first steps, and as the window fills and its sinks
-    leave it."""
+    leave it. The layer also reads its cache's length, which the packed cache gives without
+    dequantizing it."""
     torch._dynamo.reset()
     model = sliding_mistral()
     ids = _ids(130, seed=5)
@@ -455,3 +457,5 @@ def test_a_sliding_layers_eviction_does_not_compile_a_graph_per_decode_step():
         graphs[token] = len(backend.graphs)
     assert cache.layers[0].keys.shape[2] == 99 and isinstance(cache.layers[0].keys, PackedKV)
     assert graphs[98] == graphs[75] and graphs[129] == graphs[110]
+    assert all(".dequantize()" not in graph.after for graph in backend.graphs)
+    assert any(re.search(r"kv4_append(_\d+)?\.size\(\)", graph.after) for graph in backend.graphs)

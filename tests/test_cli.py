@@ -66,3 +66,5 @@ def test_demo_reports_bytes_counted_and_only_generated_tokens(capsys):
     assert float(ratio) < 0.35
     assert re.search(r"before the first difference: [0-6] of 6 ", out)  # the 70 prompt tokens are not counted
     assert re.search(r"model.layers.1.self_attn +sdpa +decode +int4", out)
+    graphs = int(re.search(r"(\d+) graphs compiled for 6 generated tokens", out).group(1))
+    assert graphs < 6  # prefill, first decode, then decode steps that share graphs
