@@ -15,7 +15,7 @@ import torch
 
 import kvpass
 from kvpass import text_data
-from models_zoo.real_model import load_model
+from kvpass.models_zoo.real_model import load_model
 
 
 def main() -> None:
