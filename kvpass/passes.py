@@ -303,7 +303,9 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     evictions = [n for n in root.users if _is_stored_sequence_slice(n)]
     if not _is_stored(root):
         raise NoMatch(f"{role} {root.name} joins tensors along the sequence but is not stored in the cache")
-    others = [n for n in root.users if n is not site_reader and n.op != "output" and n not in evictions]
+    # Readers of its sizes only are given the packed cache (same shape), not counted among them.
+    others = [n for n in root.users
+              if n is not site_reader and n.op != "output" and n not in evictions and not _reads_only_shape(n)]  # fmt: skip
     for node in others:
         if node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_")):
             raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
@@ -1127,7 +1129,7 @@ def _pack_dynamic_latent(graph: fx.Graph, node: fx.Node, config: KVConfig, share
     the new tokens (prefill) or ``cat([past.dequantize(), new])``. Returns (readers, has a past)."""
     write = _cache_write(node, None, "latent cache")
     _check_packable(write, config.v, "latent cache")
-    write.fp_readers = [n for n in write.others if not _reads_only_shape(n)]
+    write.fp_readers = list(write.others)
     _replace_cache_write(graph, write, config.v.for_head_dim(_val(write.new).shape[-1]), shared.packed)
     past_ctor = node.args[0][0]
     _erase_if_dead(graph, [node])
@@ -1333,7 +1335,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             notes.append(f"K's static buffer {k.past.name} was allocated with {held.tag} and keeps it, "
                          f"not these settings' {site_config.k.for_slots.tag}")  # fmt: skip
         for write, role in ((k, "K"), (v, "V")):
-            write.fp_readers = [n for n in write.others if n not in site_readers[write.node] and not _reads_only_shape(n)]
+            write.fp_readers = [n for n in write.others if n not in site_readers[write.node]]
             if write.fp_readers:
                 names = ", ".join(n.name for n in write.fp_readers)
                 notes.append(f"{role} cache {write.node.name} is also read by {names}, which gets it dequantized")
