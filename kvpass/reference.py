@@ -564,7 +564,7 @@ ROUNDING_DAMPING = 1.0
 ROUNDING_BITS = 14
 # Bounds that keep every step exact: values within 2**22 round to integers exactly in fp32 (the
 # kernels' way) and convert back and forth exactly (int8's clipped codes reach 190 * 2**14 < 2**22),
-# and a block's sum of |error * share| < 4 * 2**45 fits int64.
+# and a block's sum of |error * share| < 4 * 2**45 fits int64 and is exact in fp64 (below 2**53).
 ROUNDING_LIMIT = 2**22
 ROUNDING_SHARE_LIMIT = 2 ** (ROUNDING_BITS + 8)
 # Channels rounded together, passing their errors on to the later blocks: a quarter of the sequential
@@ -591,21 +591,56 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
     q = (rotate(q) if spec.rotate else q).double()
     q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
-    second = q.mT @ q / q.shape[-2]
-    mean_diag = second.diagonal(dim1=-2, dim2=-1).mean(-1)[..., None, None]
-    eye = torch.eye(g, dtype=torch.float64, device=query.device)
-    # Squares of fp32 values cannot overflow fp64: finite queries give a finite H.
-    usable = torch.isfinite(q).all(-1, keepdim=True).all(-2, keepdim=True) & (mean_diag > 0)
-    hessian = torch.where(usable, second + ROUNDING_DAMPING * mean_diag * eye, eye)
-    # GPTQ's rows: the upper Cholesky factor of H^-1, each row over its diagonal entry. That factor is
-    # the inverse of the lower factor of H with the channel order reversed, reversed back: one
-    # factorization and one triangular solve (a decode step pays for each call on CPU). H is positive
-    # definite by construction, so the factorization needs no check (which would sync a GPU).
+    n = q.shape[-2]
+    # H = rows^T rows + damping * I, rows the queries over sqrt(n): their second moment, damped by
+    # ROUNDING_DAMPING times its mean diagonal. Squares of fp32 values cannot overflow fp64, so the
+    # sum is finite exactly when every query is; an unusable group gets H = I, which shares nothing.
+    damping = ROUNDING_DAMPING * q.pow(2).sum((-2, -1)) / (n * g)
+    usable = torch.isfinite(damping) & (damping > 0)
+    rows = torch.where(usable[..., None, None], q / math.sqrt(n), 0.0)
+    damping = torch.where(usable, damping, 1.0)
+    # A decode step's few queries make H a low-rank update of a multiple of I; a prefill's many do not.
+    ratios = _gptq_ratios_low_rank(rows, damping) if n * 8 <= g else _gptq_ratios(rows, damping)
+    shares = ratios.mul_(_later_blocks(g, query.device)).round_()
+    return shares.clamp_(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _later_blocks(g: int, device: torch.device) -> torch.Tensor:
+    """``2**ROUNDING_BITS`` where channel ``j`` is in a later block than ``i``, else 0: ``fp64 [g, g]``."""
+    block = torch.arange(g, device=device) // ROUNDING_BLOCK
+    return (block[:, None] < block[None, :]).double() * 2.0**ROUNDING_BITS
+
+
+def _gptq_ratios(rows: torch.Tensor, damping: torch.Tensor) -> torch.Tensor:
+    """GPTQ's update ratios ``U[i, j] / U[i, i]`` for ``H = rows^T rows + damping * I`` (``rows
+    [..., n, g]``, ``damping [...]``), ``U`` the upper Cholesky factor of ``H^-1``: ``[..., g, g]``."""
+    g = rows.shape[-1]
+    eye = torch.eye(g, dtype=torch.float64, device=rows.device)
+    hessian = rows.mT @ rows + damping[..., None, None] * eye
+    # U is the inverse of the lower factor of H with the channel order reversed, reversed back: one
+    # factorization and one triangular solve. H is positive definite by construction, so the
+    # factorization needs no check (which would sync a GPU).
     lower, _ = torch.linalg.cholesky_ex(hessian.flip(-1, -2))
     factor = torch.linalg.solve_triangular(lower, eye.expand_as(lower), upper=False).flip(-1, -2)
-    block = torch.arange(g, device=query.device) // ROUNDING_BLOCK
-    shares = (factor / factor.diagonal(dim1=-2, dim2=-1)[..., None]) * (block[:, None] < block[None, :])
-    return torch.round(shares * 2.0**ROUNDING_BITS).clamp(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
+    return factor / factor.diagonal(dim1=-2, dim2=-1)[..., None]
+
+
+def _gptq_ratios_low_rank(rows: torch.Tensor, damping: torch.Tensor) -> torch.Tensor:
+    """:func:`_gptq_ratios` for few rows (``n`` well under ``g``), in ``O(g n^3 + g^2 n)``, equal above
+    the diagonal (the rest is not the ratio, and not used).
+
+    Row ``i`` of ``U`` over ``U[i, i]`` is column ``i`` of the inverse of ``H`` restricted to channels
+    ``i..``, over its diagonal entry. With ``c_j`` column ``j`` of ``rows`` and ``M_i = damping * I_n +
+    sum_{k > i} c_k c_k^T``, Woodbury and Sherman-Morrison reduce that ratio to ``-c_j . M_i^-1 c_i``:
+    ``g`` solves of ``n x n`` systems instead of a ``g x g`` factorization."""
+    n = rows.shape[-2]
+    cols = rows.mT  # [..., g, n]
+    outer = cols[..., :, None] * cols[..., None, :]
+    after = outer.flip(-3).cumsum(-3).flip(-3) - outer  # sum over the channels after each one
+    eye = torch.eye(n, dtype=torch.float64, device=rows.device)
+    solved = torch.linalg.solve_ex(after + damping[..., None, None, None] * eye, cols[..., None])[0]
+    return (solved[..., 0] @ rows).neg_()
 
 
 def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torch.Tensor, code_min: int,
@@ -620,18 +655,22 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
     # x / s is one fp32 division, and times 2**14 exact: the same t in every implementation.
     t = groups.float() / safe * unit
     regular = torch.isfinite(t).all(-1, keepdim=True) & (s != 0) & ~s.isnan()
-    t = torch.round(torch.where(regular, t, 0.0).clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)).to(torch.int64)
-    shares = coefficients[:, :, None]  # one append's shares, for all of its tokens
-    codes = []
-    for start in range(0, t.shape[-1], ROUNDING_BLOCK):
-        block, later = slice(start, start + ROUNDING_BLOCK), slice(start + ROUNDING_BLOCK, None)
-        code = torch.round(t[..., block].double() / unit).clamp(code_min, code_max).to(torch.int64)
-        codes.append(code)
-        error = t[..., block] - code * unit
-        passed = (error[..., :, None] * shares[..., block, later]).sum(-2) >> ROUNDING_BITS
-        t[..., later] = (t[..., later] - passed).clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)
+    t = torch.round(torch.where(regular, t, 0.0).clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)).double().div_(unit)
+    # t in codes, fp64: multiples of 2**-14 this small, a block's errors times shares and their sum are
+    # exact (ROUNDING_LIMIT), so a matmul gives the integer arithmetic whatever order it adds in.
+    codes = torch.empty_like(t)
+    by_group = t.movedim(2, -2)  # [B, H, n, S, g]: one matmul per group for all of the append's tokens
+    blocks = (x.unflatten(-1, (-1, ROUNDING_BLOCK)).unbind(-2) for x in (by_group, codes.movedim(2, -2)))
+    # Whole rows of shares: those to this block and earlier ones are zero, so updating all of t
+    # changes only the later channels, with fewer op calls (what a decode step's append pays for).
+    share_rows = coefficients.double().unflatten(-2, (-1, ROUNDING_BLOCK)).unbind(-3)
+    limit = ROUNDING_LIMIT / unit
+    for t_block, code, shares in zip(*blocks, share_rows):
+        torch.round(t_block, out=code).clamp_(code_min, code_max)
+        passed = (torch.sub(t_block, code) @ shares).floor_()
+        by_group.sub_(passed, alpha=1 / unit).clamp_(-limit, limit)
     nearest = _codes_from(groups, scale[..., None], code_min, code_max)
-    return torch.where(regular, torch.cat(codes, -1).to(torch.int8), nearest)
+    return torch.where(regular, codes.to(torch.int8), nearest)
 
 
 def sink_dtype(dtype: torch.dtype) -> torch.dtype:

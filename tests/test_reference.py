@@ -586,6 +586,19 @@ def test_query_rounding_moves_the_error_out_of_what_the_queries_read(spec):
     assert read_error(rounded) < 0.2 * read_error(nearest)
 
 
+@pytest.mark.parametrize("n, g", [(1, 64), (3, 64), (8, 64), (4, 32), (2, 256)])
+def test_gptq_ratios_of_few_queries_are_the_cholesky_ratios(n, g):
+    """A decode step's few queries take the low-rank route to GPTQ's ratios; above the diagonal (all
+    that the shares use) it is the Cholesky route's result, to fp64 rounding."""
+    gen = torch.Generator().manual_seed(n * g)
+    rows = (torch.randn(3, 2, n, g, generator=gen) * torch.rand(3, 1, 1, g, generator=gen) * 4).double()
+    damping = rows.pow(2).sum((-2, -1)) / (n * g)
+    low_rank, full = R._gptq_ratios_low_rank(rows, damping), R._gptq_ratios(rows, damping)
+    above = torch.ones(g, g, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(low_rank[..., above], full[..., above], rtol=1e-9, atol=1e-12)
+    assert full[..., above].abs().max() > 0.1  # the queries' few directions give real shares
+
+
 def test_query_rounding_without_a_preferred_direction_is_rounding_to_nearest():
     spec = dataclasses.replace(QUERY_ROUNDED, rotate=False)
     x = torch.randn(1, 2, 9, 64)
