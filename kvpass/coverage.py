@@ -9,6 +9,7 @@ limit, so one model's crash or hang costs only its own row.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
 import copy
 import json
@@ -305,9 +306,11 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
     return out
 
 
-def check_one(model_type: str, routes: bool = False) -> dict:
+def check_one(model_type: str, routes: bool = False, settings: dict | None = None) -> dict:
     """The row of one model type; runs in a subprocess (see :func:`run`). ``routes``: also
-    :func:`check_routes` once the type is fully rewritten."""
+    :func:`check_routes` once the type is fully rewritten. ``settings``: ``kvpass.kv4``'s keyword
+    arguments, checked instead of its defaults."""
+    settings = settings or {}
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -340,7 +343,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
     if not any(isinstance(layer, DynamicLayer) for layer in cache.layers) or cache.get_seq_length() == 0:
         return {**row, "status": "no attention KV cache", "reason": "the cache holds no growing K/V tensors"}
 
-    backend, checked_unscaled = kvpass.kv4(), False
+    backend, checked_unscaled = kvpass.kv4(**settings), False
     try:
         with torch.no_grad():
             step = torch.compile(model, backend=backend)
@@ -361,13 +364,13 @@ def check_one(model_type: str, routes: bool = False) -> dict:
                 # kv4's numbers without what it takes from them (its sites and bytes above are the default's).
                 checked_unscaled = True
                 torch._dynamo.reset()
-                unscaled = kvpass.kv4(k_query_scaled=False, k_query_rounded=False)
+                unscaled = kvpass.kv4(**{**settings, "k_query_scaled": False, "k_query_rounded": False})
                 check_step, check = torch.compile(model, backend=unscaled), DynamicCache(config=model.config)
                 check_step(input_ids=ids, past_key_values=check, use_cache=True)
                 got = check_step(input_ids=nxt, past_key_values=check, use_cache=True).logits
                 expected = _twin_logits(model, ids, nxt, unscaled.config.v if latent else unscaled.config.k,
                                         unscaled.config.v)  # fmt: skip
-            model.compile(backend=kvpass.kv4())
+            model.compile(backend=kvpass.kv4(**settings))
             model.generate(ids, max_new_tokens=4, do_sample=False)
     except Exception as err:  # noqa: BLE001
         return {**row, "status": "kv4 fails", "reason": _short(err)}
@@ -382,7 +385,7 @@ def check_one(model_type: str, routes: bool = False) -> dict:
         reasons.append(f"logits checked without {unused}: attention outside transformers' AttentionInterface "
                        "hands the eager twin no queries")  # fmt: skip
     if routes and status == "rewritten":
-        row["routes"] = check_routes(model)
+        row["routes"] = check_routes(model, settings)
     return {
         **row,
         "status": status,
@@ -426,8 +429,8 @@ ROUTES = {
 }
 
 
-def check_routes(model) -> dict[str, str]:
-    """Each of :data:`ROUTES` through ``model.compile(backend="kv4")`` and ``generate``: ``"int4
+def check_routes(model, settings: dict | None = None) -> dict[str, str]:
+    """Each of :data:`ROUTES` through ``model.compile(backend=kvpass.kv4(**settings))`` and ``generate``: ``"int4
     0.317"`` (every attention cache tensor packed; stored / fp16 bytes), ``"fp16 n/m: reason"``
     (n of m tensors left fp16, and the first unrewritten site's reason) or ``"fails: error"``."""
     import torch
@@ -448,7 +451,7 @@ def check_routes(model) -> dict[str, str]:
     for route, options in ROUTES.items():
         torch._dynamo.reset()
         counters["graph_break"].clear()
-        backend = kvpass.kv4()
+        backend = kvpass.kv4(**(settings or {}))
         model.compile(backend=backend)
         try:
             with torch.no_grad():
@@ -488,12 +491,13 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:200]}"
 
 
-def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool = False) -> dict:
+def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool = False,
+                  settings: dict | None = None) -> dict:  # fmt: skip
     start = time.perf_counter()
     try:
         done = subprocess.run(
             [sys.executable, "-m", "kvpass.coverage", "--one", model_type, "--head-dim", str(head_dim),
-             *(["--routes"] if routes else [])],
+             "--settings", json.dumps(settings or {}), *(["--routes"] if routes else [])],
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -619,6 +623,10 @@ def add_arguments(parser) -> None:
         "--head-dim", type=int, default=TINY["head_dim"],
         help=f"channels per head of the tiny configs, hidden 4x that (default {TINY['head_dim']})",
     )  # fmt: skip
+    parser.add_argument(
+        "--k-query-rounded", action="store_true",
+        help="check kvpass.kv4(k_query_rounded=True) instead of the default (K's codes rounded against the queries)",
+    )  # fmt: skip
 
 
 def run(args) -> int:
@@ -631,7 +639,8 @@ def run(args) -> int:
         _check_updatable(saved)  # before the run, which may take an hour
     types = args.model_types or causal_lm_types()
     rows_file = rows_file_of(args.output)
-    settings = {"head_dim": args.head_dim, "routes": args.routes}
+    kv4_settings = {"k_query_rounded": True} if args.k_query_rounded else {}
+    settings = {"head_dim": args.head_dim, "routes": args.routes, **kv4_settings}
     rows = [r for r in rows_so_far(rows_file, settings) if r["model_type"] in types] if args.resume else []
     set_head_dim(args.head_dim)
     if rows:
@@ -642,7 +651,7 @@ def run(args) -> int:
     with open(rows_file, "w") as rows_out:
         rows_out.writelines(json.dumps(line) + "\n" for line in [{"settings": settings}, *rows])
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes) for t in todo]
+            futures = [pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes, kv4_settings) for t in todo]
             for future in tqdm(concurrent.futures.as_completed(futures), total=len(todo), desc="model types"):
                 rows.append(future.result())
                 rows_out.write(json.dumps(rows[-1]) + "\n")
@@ -664,7 +673,13 @@ def run(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) in (5, 6) and sys.argv[1] == "--one" and sys.argv[3] == "--head-dim":
-        logging.basicConfig(level=logging.ERROR)
-        set_head_dim(int(sys.argv[4]))
-        print(json.dumps(check_one(sys.argv[2], routes=sys.argv[5:] == ["--routes"])))
+    # One model type, in the subprocess _run_isolated starts.
+    one = argparse.ArgumentParser()
+    one.add_argument("--one", required=True)
+    one.add_argument("--head-dim", type=int, required=True)
+    one.add_argument("--settings", type=json.loads, default={})
+    one.add_argument("--routes", action="store_true")
+    one_args = one.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    set_head_dim(one_args.head_dim)
+    print(json.dumps(check_one(one_args.one, routes=one_args.routes, settings=one_args.settings)))

@@ -1,7 +1,7 @@
 """The support matrix's tiny-config builder: shrunk configs stay consistent (no full matrix run here)."""
 
-import dataclasses
 import json
+import time
 
 import pytest
 import torch
@@ -127,17 +127,21 @@ def test_narrow_heads_are_packed_at_under_035_of_fp16(monkeypatch, model_type):
         coverage.set_head_dim(7)
 
 
-def test_a_model_the_twin_sees_no_queries_of_is_checked_without_what_k_takes_from_them(monkeypatch):
-    # Bloom's attention bypasses transformers' AttentionInterface; with a default that also rounds
-    # K against the queries, its check must leave both out, and say so.
-    from kvpass import backend
-    from kvpass.config import KVConfig
-
-    rounding = KVConfig()
-    monkeypatch.setattr(backend, "_DEFAULT", dataclasses.replace(rounding, k=dataclasses.replace(rounding.k, query_rounded=True)))
-    row = check_one("bloom")
+def test_a_model_the_twin_sees_no_queries_of_is_checked_without_what_k_takes_from_them():
+    # Bloom's attention bypasses transformers' AttentionInterface; checked with K also rounded
+    # against the queries, its check must leave both out, and say so.
+    row = check_one("bloom", settings={"k_query_rounded": True})
     assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
     assert "logits checked without query scales and query rounding" in row["reason"]
+
+
+def test_settings_reach_the_checked_model_type_through_its_subprocess():
+    row = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": True})
+    assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
+    # gpt2 goes through AttentionInterface: kv4 with query rounding agrees with its rounding twin.
+    assert "checked without" not in row["reason"]
+    bad = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": "yes"})
+    assert "query_rounded must be True or False" in bad["reason"], bad
 
 
 def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():
@@ -204,6 +208,8 @@ def test_a_stopped_run_resumes_from_the_rows_it_wrote(tmp_path, monkeypatch, cap
 
     def stopped_at_mistral(model_type, *args):
         if model_type == "mistral":
+            # Not at once: rows that finished together come out of as_completed in any order.
+            time.sleep(0.5)
             raise KeyboardInterrupt
         return {"model_type": model_type, "status": "rewritten"}
 
