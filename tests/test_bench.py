@@ -84,5 +84,6 @@ def test_append_grid_times_every_method_and_amortizes_the_growable_cache():
     # The growable cache runs past its spare rows, so its mean includes one regrowth.
     assert by["kv4"]["steps"] == spare_rows(300) + 1 and by["kv4"]["copies_whole_cache_every"] == 256
     assert by["fp16 cat"]["steps"] == append.COPYING_STEPS
+    assert by["kv4-qr"]["spec"] == by["kv4"]["spec"] + ":qr" and by["fp16 cat"]["spec"] is None
     assert all(r["median_us"] > 0 and r["max_us"] >= r["mean_us"] for r in rows)
     assert "kv4 copy" in append.format_table(rows)

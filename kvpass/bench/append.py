@@ -7,7 +7,12 @@ default) receives single-token appends, each timed on its own; three ways:
 * ``kv4 copy``: an int4 append that copies the packed cache every step (what a traced
   graph states, and what kvpass did before caches kept spare rows);
 * ``kv4``: :meth:`kvpass.packed.PackedKV.append` on a growable cache, writing the new
-  token's codes in place and regrowing the storage by a fraction of itself when full.
+  token's codes in place and regrowing the storage by a fraction of itself when full;
+* ``kv4-qr``: the same with ``k_query_rounded=True``, each append's codes rounded against its
+  token's queries.
+
+The kv4 caches are K caches as decode holds them: their first 64 tokens came with queries (which
+fix K's query scales), and every append brings its token's ``QUERIES_PER_KV_HEAD`` query heads per KV head.
 
 The median is the typical step; the mean over enough steps to cross a regrowth includes
 the amortized copy. Per-step cost that stays flat as context grows is the claim checked.
@@ -16,6 +21,7 @@ the amortized copy. Per-step cost that stays flat as context grows is the claim 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -24,23 +30,29 @@ import torch
 
 from kvpass.tables import render_table
 
-METHODS = ("fp16 cat", "kv4 copy", "kv4")
+METHODS = ("fp16 cat", "kv4 copy", "kv4", "kv4-qr")
 COPYING_STEPS = 200
+QUERIES_PER_KV_HEAD = 4  # Llama-3-8B's 32 query heads over its 8 KV heads
 
 
-def _appender(method: str, past: torch.Tensor, spec):
+def _appender(method: str, past: torch.Tensor, spec, query: torch.Tensor):
+    """``(cache, append)``: the cache holding ``past`` and ``append(cache, new)``, ``query`` each
+    append's queries (one token's, ``[B, QUERIES_PER_KV_HEAD * H, 1, D]``)."""
     from kvpass.packed import PackedKV
 
     if method == "fp16 cat":
         return past, lambda cache, new: torch.cat([cache, new], dim=2)
-    packed = PackedKV.from_float(past, spec)
+    spec = dataclasses.replace(spec, query_rounded=method == "kv4-qr")
+    # Queries for the first tokens, which fix K's query scales; the rest of the fill needs none.
+    first = spec.prefix_tokens
+    packed = PackedKV.from_float(past[:, :, :first], spec, query.expand(-1, -1, first, -1)).append(past[:, :, first:])
     if method == "kv4 copy":
         # Dropping the growth bookkeeping makes every append copy into new storage.
         def copying(cache, new):
-            return PackedKV(cache.codes, cache.scales, cache.residual, spec, **cache._parts()).append(new)
+            return PackedKV(cache.codes, cache.scales, cache.residual, spec, **cache._parts()).append(new, query)
 
         return packed, copying
-    return packed, lambda cache, new: cache.append(new)
+    return packed, lambda cache, new: cache.append(new, query)
 
 
 @torch.no_grad()
@@ -51,18 +63,20 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
     g = torch.Generator().manual_seed(0)
     past = torch.randn(batch, heads, ctx, head_dim, generator=g).half()
     new = torch.randn(batch, heads, 1, head_dim, generator=g).half()
-    cache, append = _appender(method, past, KVConfig().k)
+    query = torch.randn(batch, QUERIES_PER_KV_HEAD * heads, 1, head_dim, generator=g).half()
+    cache, append = _appender(method, past, KVConfig().k, query)
     cache = append(cache, new)  # warm-up
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         cache = append(cache, new)
         times.append(time.perf_counter() - t0)
-    period = spare_rows(ctx) if method == "kv4" else 1
+    period = 1 if method == "kv4 copy" or method == "fp16 cat" else spare_rows(ctx)
     return dict(
         method=method, ctx=ctx, batch=batch, heads=heads, head_dim=head_dim, steps=steps,
         median_us=1e6 * statistics.median(times), mean_us=1e6 * statistics.fmean(times),
         max_us=1e6 * max(times), copies_whole_cache_every=period, threads=torch.get_num_threads(),
+        spec=getattr(cache, "spec", None) and cache.spec.tag,
     )  # fmt: skip
 
 
@@ -74,7 +88,7 @@ def run_grid(methods, contexts, steps: int | None = None, **shape) -> list[dict]
         for method in methods:
             # The growable cache runs long enough to cross one regrowth, so its mean is amortized;
             # the copying ones cost the same every step.
-            default = spare_rows(ctx) + 1 if method == "kv4" else COPYING_STEPS
+            default = COPYING_STEPS if method in ("fp16 cat", "kv4 copy") else spare_rows(ctx) + 1
             rows.append(measure(method, ctx, steps or default, **shape))
             r = rows[-1]
             print(f"  {method} ctx {ctx}: median {r['median_us']:,.1f} us, mean {r['mean_us']:,.1f} us",
