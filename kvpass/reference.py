@@ -592,12 +592,13 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     q = (rotate(q) if spec.rotate else q).double()
     q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
     n = q.shape[-2]
-    # H = rows^T rows + damping * I, rows the queries over sqrt(n): their second moment, damped by
-    # ROUNDING_DAMPING times its mean diagonal. Squares of fp32 values cannot overflow fp64, so the
-    # sum is finite exactly when every query is; an unusable group gets H = I, which shares nothing.
-    damping = ROUNDING_DAMPING * q.pow(2).sum((-2, -1)) / (n * g)
+    # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
+    # its mean diagonal (GPTQ's ratios do not change when H is scaled). Squares of fp32 values cannot
+    # overflow fp64, so the sum is finite exactly when every query is; an unusable group gets H = I,
+    # which shares nothing.
+    damping = ROUNDING_DAMPING * q.pow(2).sum((-2, -1)) / g
     usable = torch.isfinite(damping) & (damping > 0)
-    rows = torch.where(usable[..., None, None], q / math.sqrt(n), 0.0)
+    rows = torch.where(usable[..., None, None], q, 0.0)
     damping = torch.where(usable, damping, 1.0)
     # A decode step's few queries make H a low-rank update of a multiple of I; a prefill's many do not.
     ratios = _gptq_ratios_low_rank(rows, damping) if n * 8 <= g else _gptq_ratios(rows, damping)
