@@ -657,13 +657,14 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
     t = groups.float() / safe * unit
     regular = torch.isfinite(t).all(-1, keepdim=True) & (s != 0) & ~s.isnan()
     t = torch.round(torch.where(regular, t, 0.0).clamp(-ROUNDING_LIMIT, ROUNDING_LIMIT)).double().div_(unit)
-    # t in codes, fp64: multiples of 2**-14 this small, a block's errors times shares and their sum are
-    # exact (ROUNDING_LIMIT), so a matmul gives the integer arithmetic whatever order it adds in.
+    # t in codes, in fp64: at multiples of 2**-14 and this small, a block's errors times shares and their
+    # sum are exact (ROUNDING_LIMIT), so a matmul gives the integer arithmetic whatever order it adds in.
     codes = torch.empty_like(t)
     by_group = t.movedim(2, -2)  # [B, H, n, S, g]: one matmul per group for all of the append's tokens
     blocks = (x.unflatten(-1, (-1, ROUNDING_BLOCK)).unbind(-2) for x in (by_group, codes.movedim(2, -2)))
-    # Whole rows of shares: those to this block and earlier ones are zero, so updating all of t
-    # changes only the later channels, with fewer op calls (what a decode step's append pays for).
+    # Whole rows of shares: what they pass to this block's and earlier channels (nothing, from
+    # rounding_coefficients) lands after those codes are taken, so updating all of t rounds as updating
+    # the later channels does, in fewer op calls (what a decode step's append pays for).
     share_rows = coefficients.double().unflatten(-2, (-1, ROUNDING_BLOCK)).unbind(-3)
     limit = ROUNDING_LIMIT / unit
     for t_block, code, shares in zip(*blocks, share_rows):
