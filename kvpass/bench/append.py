@@ -31,6 +31,7 @@ import torch
 from kvpass.tables import render_table
 
 METHODS = ("fp16 cat", "kv4 copy", "kv4", "kv4-qr")
+COPYING = ("fp16 cat", "kv4 copy")  # copy the whole cache every step; the others grow in place
 COPYING_STEPS = 200
 QUERIES_PER_KV_HEAD = 4  # Llama-3-8B's 32 query heads over its 8 KV heads
 
@@ -71,7 +72,7 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
         t0 = time.perf_counter()
         cache = append(cache, new)
         times.append(time.perf_counter() - t0)
-    period = 1 if method == "kv4 copy" or method == "fp16 cat" else spare_rows(ctx)
+    period = 1 if method in COPYING else spare_rows(ctx)
     return dict(
         method=method, ctx=ctx, batch=batch, heads=heads, head_dim=head_dim, steps=steps,
         median_us=1e6 * statistics.median(times), mean_us=1e6 * statistics.fmean(times),
@@ -88,7 +89,7 @@ def run_grid(methods, contexts, steps: int | None = None, **shape) -> list[dict]
         for method in methods:
             # The growable cache runs long enough to cross one regrowth, so its mean is amortized;
             # the copying ones cost the same every step.
-            default = COPYING_STEPS if method in ("fp16 cat", "kv4 copy") else spare_rows(ctx) + 1
+            default = COPYING_STEPS if method in COPYING else spare_rows(ctx) + 1
             rows.append(measure(method, ctx, steps or default, **shape))
             r = rows[-1]
             print(f"  {method} ctx {ctx}: median {r['median_us']:,.1f} us, mean {r['mean_us']:,.1f} us",
