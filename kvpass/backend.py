@@ -144,7 +144,7 @@ def kv4(
     k_query_scaled: bool | None = None,
     k_defer_prefix: bool | None = None,
     k_prefix_tokens: int = _DEFAULT.k.prefix_tokens,
-    k_query_rounded: bool | None = None,
+    k_query_rounded: int | bool | None = None,
     k_layer_bits: dict[int, int] | None = None,
     inner: str = _DEFAULT.inner,
     debug: bool = False,
@@ -177,9 +177,11 @@ def kv4(
     (default: on where K takes any of the three).
     ``k_prefix_tokens`` is how many tokens after K's sinks its offset and query scales are computed
     over, at most, and what a deferring K waits for (``QuantSpec.prefix_tokens``; at least 64).
-    ``k_query_rounded`` chooses K's codes against the queries of the append that quantizes them
-    instead of rounding to nearest, at the same bytes (symmetric per-token schemes without a window;
-    static caches round to nearest; ``QuantSpec.query_rounded``).
+    ``k_query_rounded=N`` chooses K's codes against the queries of the append that quantizes them,
+    in appends of ``N`` tokens or more, instead of rounding to nearest, at the same bytes: ``True``
+    rounds every append, ``False`` none (symmetric per-token schemes without a window; static caches
+    round to nearest; ``QuantSpec.query_rounded``; default: appends of ``ROUNDED_APPEND_TOKENS`` (64),
+    a prompt or a prefill chunk, not decode steps).
     ``k_layer_bits`` maps layer indices to K bits for those layers (the rest of K's settings
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several

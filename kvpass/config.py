@@ -30,6 +30,12 @@ PREFIX_MIN_TOKENS = 64
 # would be 0.353x at 32. Decode steps from an empty cache, or a prompt under 6 tokens, take nothing.
 SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
+# The default query-rounded K rounds only appends of at least this many tokens (a prompt, a prefill
+# chunk) against their queries: there the shares cost a small part of the append's compute per
+# token, and there they gained (SmolLM2's code at 2K, 64 at a time: -0.40 ± 0.11 points); a decode
+# step's one token of queries gained nothing measurable (greedy, 8 at a time) and would pay the
+# shares' fixed cost per token (docs/eval.md, twenty-third run).
+ROUNDED_APPEND_TOKENS = 64
 # That sink gives up at most one refined token, not the 3 its bytes are worth: a short cache's plane is
 # a few tokens long, and each of them was worth more than the bytes (docs/eval.md). Groups of
 # SHORT_PREFIX_FREE_GROUP channels or more (head_dim 64 and up) give up none: the worst case, 8 tokens
@@ -98,12 +104,13 @@ class QuantSpec:
     (:func:`kvpass.reference.query_key_scales`), so the quantization error lands in the channels the
     queries read least.
 
-    ``query_rounded=True`` (K's symmetric per-token scheme, no window, groups within a head) chooses
-    each group's codes against the queries of the append that quantizes it instead of rounding to
-    nearest (the scales stay the same): the channels are rounded one after another, each passing its
-    error on to the later ones so that what the queries read of it, ``q . e``, stays small
-    (:func:`kvpass.reference.rounding_coefficients`). The same bytes; an append without queries (a
-    static cache's slot write, a site whose query comes after its cache update) rounds to nearest.
+    ``query_rounded=N`` (K's symmetric per-token scheme, no window, groups within a head) chooses
+    each group's codes against the queries of the append that quantizes it, in appends of ``N``
+    tokens or more, instead of rounding to nearest (the scales stay the same): the channels are
+    rounded one after another, each passing its error on to the later ones so that what the queries
+    read of it, ``q . e``, stays small (:func:`kvpass.reference.rounding_coefficients`). The same
+    bytes; ``True`` is 1 (every append), ``False`` 0 (none). A shorter append, or one without queries
+    (a static cache's slot write, a site whose query comes after its cache update), rounds to nearest.
 
     ``span_heads=True`` (per-token scheme) makes a token's group all channels of
     ``heads_per_group(H, D)`` consecutive heads instead (scale shape ``[B, H // n, S, 1]``): for
@@ -157,8 +164,9 @@ class QuantSpec:
     defer_prefix: bool = False
     # Tokens after the sinks whose statistics fix the offset and query scales, at most.
     prefix_tokens: int = CENTER_TOKENS
-    # K's codes chosen against the queries of the append that quantizes them, not rounded to nearest.
-    query_rounded: bool = False
+    # K's codes chosen against the queries of appends of at least this many tokens (0: none), not
+    # rounded to nearest.
+    query_rounded: int = 0
 
     def __post_init__(self):
         _check_choice("bits", self.bits, SUPPORTED_BITS)
@@ -210,12 +218,17 @@ class QuantSpec:
                 f"prefix_tokens={self.prefix_tokens} needs center, query_scaled or defer_prefix: it sets the tokens "
                 "their statistics come from and a deferring cache waits for, and this spec has none of them"
             )
-        if not isinstance(self.query_rounded, bool):
-            raise ValueError(f"query_rounded must be True or False, got {self.query_rounded!r}")
+        if not isinstance(self.query_rounded, int) or self.query_rounded < 0:
+            raise ValueError(
+                "query_rounded must be an int >= 0 (the fewest tokens of an append rounded against its queries; "
+                f"True: every append, False or 0: none), got {self.query_rounded!r}"
+            )
+        object.__setattr__(self, "query_rounded", int(self.query_rounded))  # True and 1 are one spec, one tag
         if self.query_rounded and (self.scheme != "token" or self.window or not self.symmetric or self.span_heads):
             raise ValueError(
-                "query_rounded=True needs scheme='token', window=0, symmetric=True and span_heads=False (it rounds "
-                f"the channels of each token's groups within a head), got scheme={self.scheme!r}, window={self.window}, "
+                f"query_rounded={self.query_rounded} needs scheme='token', window=0, symmetric=True and "
+                "span_heads=False (it rounds the channels of each token's groups within a head), "
+                f"got scheme={self.scheme!r}, window={self.window}, "
                 f"symmetric={self.symmetric}, span_heads={self.span_heads}"
             )
         if self.center and not self.symmetric:
@@ -235,7 +248,7 @@ class QuantSpec:
     @property
     def tag(self) -> str:
         """Compact, parseable name used in rewritten graphs:
-        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:p512][:dp][:qr]``.
+        ``int4:token:64[:rot][:asym|:mse][:w64|:r64][:s4][:ctr][:heads][:qs][:p512][:dp][:qr|:qr64]``.
 
         Symmetric absmax specs keep the tags they always had (no suffix)."""
         return (
@@ -252,23 +265,25 @@ class QuantSpec:
             + (f":p{self.prefix_tokens}" if self.prefix_tokens != CENTER_TOKENS else "")
             + (":dp" if self.defer_prefix else "")
             + (":qr" if self.query_rounded else "")
+            + (str(self.query_rounded) if self.query_rounded > 1 else "")
         )
 
     @classmethod
     def from_tag(cls, tag: str) -> QuantSpec:
-        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:p<tokens>][:dp][:qr]"
+        expected = "int<bits>:<scheme>:<group>[:rot][:asym|:mse][:w<tokens>|:r<tokens>][:s<tokens>][:ctr][:heads][:qs][:p<tokens>][:dp][:qr[<tokens>]]"
         try:
             bits, scheme, group, *flags = tag.split(":")
 
-            def tokens(letter):
-                counts = [int(f[1:]) for f in flags if f.startswith(letter) and f[1:].isdigit()]
+            def tokens(prefix):
+                counts = [int(f[len(prefix):]) for f in flags if f.startswith(prefix) and f[len(prefix):].isdigit()]
                 return counts[0] if counts else 0
 
             spec = cls(
                 int(bits.removeprefix("int")), scheme, int(group), rotate="rot" in flags,
                 symmetric="asym" not in flags, window=tokens("w"), clip="mse" in flags, refine=tokens("r"),
                 sinks=tokens("s"), center="ctr" in flags, span_heads="heads" in flags, query_scaled="qs" in flags,
-                defer_prefix="dp" in flags, prefix_tokens=tokens("p") or CENTER_TOKENS, query_rounded="qr" in flags,
+                defer_prefix="dp" in flags, prefix_tokens=tokens("p") or CENTER_TOKENS,
+                query_rounded=tokens("qr") or "qr" in flags,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"bad QuantSpec tag {tag!r}: expected {expected} ({error})") from None
@@ -343,6 +358,11 @@ class QuantSpec:
         ``PREFIX_MIN_TOKENS`` tokens on (a few tokens' statistics would misplace the error)."""
         return self.query_scaled and first >= PREFIX_MIN_TOKENS
 
+    def rounds(self, tokens: int) -> bool:
+        """Whether an append of ``tokens`` tokens with their queries is rounded against them
+        (``query_rounded``, ``ROUNDED_APPEND_TOKENS``)."""
+        return bool(self.query_rounded) and tokens >= self.query_rounded
+
     def plane_cost(self, n_head: int, has_offset: bool, head_dim: int) -> int:
         """Refined tokens a cache of ``head_dim``-channel heads holding ``n_head`` fp sinks (and an
         offset, if ``has_offset``) gives up: as many as those 16-bit rows (beyond the codes the sinks
@@ -384,7 +404,7 @@ class KVConfig:
     # Chosen by measured streaming perplexity on SmolLM2 and Gemma 3 (docs/eval.md, docs/design.md).
     k: QuantSpec = QuantSpec(
         bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64, sinks=4, center=True, query_scaled=True,
-        defer_prefix=True,
+        defer_prefix=True, query_rounded=ROUNDED_APPEND_TOKENS,
     )
     v: QuantSpec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     # K specs for chosen layers, as (layer index, spec) pairs: a layer's index is the last number

@@ -625,7 +625,8 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--k-query-rounded", action="store_true",
-        help="check kvpass.kv4(k_query_rounded=True) instead of the default (K's codes rounded against the queries)",
+        help="check kvpass.kv4(k_query_rounded=True) instead of the default (K's codes rounded against every "
+        "append's queries, where the default rounds appends of 64 tokens or more)",
     )  # fmt: skip
 
 

@@ -54,7 +54,9 @@ Methods (``--methods``, comma separated):
   ``-kpN`` (last) takes K's offset and query scales over up to N tokens after the sinks instead of
   64, and a deferring K waits for N (``kvpass.kv4(k_prefix_tokens=N)``), e.g. ``kv4-kp512``.
   ``-qr`` (after all of them) chooses K's codes against each append's queries instead of rounding
-  to nearest (``kvpass.kv4(k_query_rounded=True)``), e.g. ``kv4-qr``.
+  to nearest (``kvpass.kv4(k_query_rounded=True)``), e.g. ``kv4-qr``; ``-qrN`` only in appends of N
+  tokens or more (the default's are 64), ``-qr0`` in none (``kvpass.kv4(k_query_rounded=0)``); the
+  named variants, ``int8`` and ``int2`` round to nearest without it.
 * ``-ksN`` keeps the first N tokens of K unquantized (``kvpass.kv4(k_sinks=N)``), ``-kc``
   quantizes K minus a fixed offset per sequence and KV head (``kvpass.kv4(k_center=True)``);
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
@@ -100,7 +102,7 @@ _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kiv
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"
                      r"(?P<sym>-asym|-sym)?(?P<clip>-mse)?(?:-r(?P<refine>\d+))?(?:-w(?P<window>\d+))?(?:-ks(?P<k_sinks>\d+))?(?P<k_center>-kc)?(?P<query_scaled>-qs)?"
                      r"(?:-k(?P<layer_bits>\d)@(?P<layers>\d+(?:\.\d+)*))?(?:-s(?P<sinks>\d+))?(?:-f(?P<flush>\d+))?(?P<defer>-kd)?"
-                     r"(?:-kp(?P<prefix_tokens>\d+))?(?P<query_rounded>-qr)?$")  # fmt: skip
+                     r"(?:-kp(?P<prefix_tokens>\d+))?(?P<query_rounded>-qr(?P<rounded_from>\d*))?$")  # fmt: skip
 DEFAULT_FLUSH = 64
 # Scored tokens per entry of a row's ``nll_blocks``: two methods read the same tokens, so their
 # per-block differences give a paired comparison an error bar, which the means alone cannot.
@@ -212,8 +214,8 @@ def parse_method(name: str) -> Method:
         kwargs["k_defer_prefix"] = bool(m["defer"])
     if m["prefix_tokens"]:
         kwargs["k_prefix_tokens"] = int(m["prefix_tokens"])
-    if m["query_rounded"]:
-        kwargs["k_query_rounded"] = True
+    if m["query_rounded"] or variant or m["base"] != "kv4":
+        kwargs["k_query_rounded"] = (int(m["rounded_from"]) if m["rounded_from"] else True) if m["query_rounded"] else 0
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")

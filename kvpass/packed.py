@@ -177,7 +177,8 @@ class PackedKV(torch.Tensor):
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
         [B, Hq, T, D]`` (the queries reading them) fixes a ``query_scaled`` spec's scales in a first
         append, and in every append while a ``defer_prefix`` cache waits; a ``query_rounded`` spec rounds
-        the tokens an append quantizes against its queries (to nearest without them)."""
+        the tokens an append quantizes against its queries if it brings enough of them
+        (:meth:`QuantSpec.rounds`; else to nearest)."""
         if query is not None and (query.shape[0] != new.shape[0] or query.shape[2] != new.shape[2]
                                   or query.shape[1] % new.shape[1]):  # fmt: skip
             raise ValueError(
@@ -197,8 +198,8 @@ class PackedKV(torch.Tensor):
         ``query_rounded`` spec's codes."""
         query_scales, new = self._query_scaled(new, q_energy)
         rounding = None
-        if self.spec.query_rounded and query is not None:
-            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec)
+        if query is not None and self.spec.rounds(query.shape[2]):
+            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate)
         head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding)

@@ -1346,7 +1346,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
                          "waits for: from a shorter prompt on, its K stays unquantized")  # fmt: skip
         query = None
         # A first write fixes query scales from its queries, a cache waiting for its prefix gathers them,
-        # and a query-rounded K rounds every write against them.
+        # and a query-rounded K rounds its writes of enough tokens against them (QuantSpec.rounds).
         k_spec = site_config.k
         uses = ["query scales"] if k_spec.query_scaled and (k.past is None or k_spec.defer_prefix) else []
         uses += ["query rounding"] if k_spec.query_rounded and k.node is not v.node else []

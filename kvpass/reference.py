@@ -574,7 +574,7 @@ ROUNDING_BLOCK = 4
 
 
 def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None,
-                          spec: QuantSpec) -> torch.Tensor:  # fmt: skip
+                          spec: QuantSpec, rotator=None) -> torch.Tensor:  # fmt: skip
     """How a ``spec.query_rounded`` K append whose queries are ``query [B, Hq, T, D]`` (query heads
     grouped as GQA reads ``kv_heads`` KV heads) rounds its groups: ``int64 [B, kv_heads, D // g, g, g]``
     (``g`` the token group), ``C[..., i, j]`` the share of channel ``i``'s rounding error that channel
@@ -585,11 +585,12 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     passing its error on to the later ones by these shares (GPTQ's update, with the queries' second
     moment ``H`` in the stored domain, damped, for the Hessian), puts the error where the append's
     queries read little, instead of spreading it evenly as rounding to nearest does. Queries whose
-    second moment is not finite and positive give zero shares: rounding to nearest."""
+    second moment is not finite and positive give zero shares: rounding to nearest. ``rotator`` is
+    :func:`rotate` or an op computing the same (graphs must not trace its constant)."""
     B, Hq, T, D = query.shape
     g = spec.token_group(D)
     q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
-    q = (rotate(q) if spec.rotate else q).double()
+    q = ((rotator or rotate)(q) if spec.rotate else q).double()
     q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
     n = q.shape[-2]
     # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
@@ -606,9 +607,9 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     return shares.clamp_(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
 
 
-@functools.lru_cache(maxsize=8)
 def _later_blocks(g: int, device: torch.device) -> torch.Tensor:
-    """``2**ROUNDING_BITS`` where channel ``j`` is in a later block than ``i``, else 0: ``fp64 [g, g]``."""
+    """``2**ROUNDING_BITS`` where channel ``j`` is in a later block than ``i``, else 0: ``fp64 [g, g]``.
+    Made on every call: a cached tensor would be a real one inside a compiler's fake-tensor tracing."""
     block = torch.arange(g, device=device) // ROUNDING_BLOCK
     return (block[:, None] < block[None, :]).double() * 2.0**ROUNDING_BITS
 

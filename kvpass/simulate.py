@@ -21,7 +21,7 @@ A K spec that defers its prefix (``QuantSpec.defer_prefix``) is read exact until
 ``spec.prefix_tokens`` tokens, as kv4 holds it, and from the next update on quantized as one first
 append of all the tokens it held then (with all their queries).
 A query-rounded K spec (``QuantSpec.query_rounded``) rounds the tokens each update quantizes against
-that update's queries, as kv4's append does; since those depend on the update, not on the tokens
+that update's queries where it brings enough of them (:meth:`QuantSpec.rounds`), as kv4's append does; since those depend on the update, not on the tokens
 alone, each token is encoded once and its codes kept between reads (the only exception to
 re-quantizing the past).
 """
@@ -130,11 +130,15 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
     deferred = "queries" in state
     if k_spec is not None and k_spec.query_rounded and not (deferred and k_spec.waits(full_k.shape[2])):
         # The tokens this update quantizes, as kv4's append does: a first (or the crossing) append all the
-        # layer holds, later ones their own; rounded against this update's queries once they come.
+        # layer holds, later ones their own; rounded against this update's queries once they come, if
+        # it brings enough of them, else to nearest.
         seen = state["seen"]
-        state.update(rounding_pending=(0 if deferred or first_update else seen - key_states.shape[2], seen),
-                     rounded_spec=k_spec, kv_heads=key_states.shape[1])  # fmt: skip
-        _await_queries(state)
+        span = (0 if deferred or first_update else seen - key_states.shape[2], seen)
+        if k_spec.rounds(key_states.shape[2]):
+            state.update(rounding_pending=span, rounded_spec=k_spec, kv_heads=key_states.shape[1])
+            _await_queries(state)
+        else:
+            state.setdefault("rounding", []).append((*span, None))
     if deferred or first_update:
         # A first update fixes K's prefix from its tokens; a deferred prefix is fixed by the update that
         # brings the layer to prefix_tokens, from all of them, as a first append of them would.
@@ -174,8 +178,8 @@ def _read(full, spec, prefix, query_scales, start, stop, evicted, past, state=No
 
 def _rounded_by_append(state: dict, first: int, quantized: torch.Tensor, spec: QuantSpec):
     """``(codes, scales)`` of a query-rounded layer's stored tokens ``first ..`` (counted from the
-    layer's first token), each rounded against the queries of the update that quantized it, as kv4
-    stores them. Each token is encoded once: later reads take its codes from ``state``, as they take
+    layer's first token), each rounded against the queries of the update that quantized it (to
+    nearest where it brought too few), as kv4 stores them. Each token is encoded once: later reads take its codes from ``state``, as they take
     the same stored values."""
     stop = first + quantized.shape[2]
     start, codes, scales = state.get("encoded", (first, quantized.new_empty(0), None))

@@ -112,6 +112,26 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
 
 
 @torch.no_grad()
+def test_keys_rounded_from_n_tokens_are_read_as_their_twin_reads_them_after_short_and_long_appends():
+    """``k_query_rounded=4``: a prompt and a 4-token append rounded against their queries, a 2-token
+    append and decode steps to nearest; the twin, told the same, reads every step's past as kv4 does."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    k_spec = dataclasses.replace(KVConfig().k, query_rounded=4)
+    appends = [_ids(100, batch=2), *(_ids(n, batch=2, seed=n) for n in (2, 4, 1, 1))]
+    twin = SimulatedKVCache(model.config, k_spec, KVConfig().v)
+    with observed_queries():
+        expected = [model(input_ids=ids, past_key_values=twin, use_cache=True).logits for ids in appends]
+    backend = kvpass.kv4(k_query_rounded=4)
+    assert backend.config.k == k_spec
+    step, cache = torch.compile(model, backend=backend), DynamicCache()
+    got = [step(input_ids=ids, past_key_values=cache, use_cache=True).logits for ids in appends]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5)
+    assert all(layer.keys.spec.tag.endswith(":qr4") for layer in cache.layers)
+
+
+@torch.no_grad()
 def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
     torch._dynamo.reset()
     ids = _ids(110)  # generating past 128 tokens: where the second plane stops growing

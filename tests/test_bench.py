@@ -1,11 +1,13 @@
 """``kvpass bench memory`` and ``kvpass bench decode`` at a tiny size."""
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from kvpass.bench import decode, memory
+from kvpass.config import KVConfig
 from kvpass.estimate import kv_cache_bytes
 
 TINY = dict(hidden=128, layers=1)
@@ -84,6 +86,7 @@ def test_append_grid_times_every_method_and_amortizes_the_growable_cache():
     # The growable cache runs past its spare rows, so its mean includes one regrowth.
     assert by["kv4"]["steps"] == spare_rows(300) + 1 and by["kv4"]["copies_whole_cache_every"] == 256
     assert by["fp16 cat"]["steps"] == append.COPYING_STEPS
-    assert by["kv4-qr"]["spec"] == by["kv4"]["spec"] + ":qr" and by["fp16 cat"]["spec"] is None
+    assert by["kv4"]["spec"] == KVConfig().k.tag and by["fp16 cat"]["spec"] is None
+    assert by["kv4-qr"]["spec"] == dataclasses.replace(KVConfig().k, query_rounded=True).tag
     assert all(r["median_us"] > 0 and r["max_us"] >= r["mean_us"] for r in rows)
     assert "kv4 copy" in append.format_table(rows)

@@ -141,7 +141,7 @@ def test_settings_reach_the_checked_model_type_through_its_subprocess():
     # gpt2 goes through AttentionInterface: kv4 with query rounding agrees with its rounding twin.
     assert "checked without" not in row["reason"]
     bad = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": "yes"})
-    assert "query_rounded must be True or False" in bad["reason"], bad
+    assert "query_rounded must be an int >= 0" in bad["reason"] and "got 'yes'" in bad["reason"], bad
 
 
 def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():

@@ -248,21 +248,23 @@ def test_method_names():
     m = kv_eval.parse_method("kv4-rot-g128")
     assert m.backend_kwargs == dict(k_scheme="token", k_group=128, k_rotate=True, v_scheme="token", v_group=128,
                                     v_rotate=True, clip=False, refine=0, k_sinks=0, k_center=False,
-                                    k_query_scaled=False, k_defer_prefix=False)  # fmt: skip
+                                    k_query_scaled=False, k_defer_prefix=False, k_query_rounded=0)  # fmt: skip
     assert kv_eval.parse_method("int2").backend_kwargs == {"bits": 2, "clip": False, "refine": 0, "k_sinks": 0,
                                                            "k_center": False, "k_query_scaled": False,
-                                                           "k_defer_prefix": False}  # fmt: skip
+                                                           "k_defer_prefix": False, "k_query_rounded": 0}  # fmt: skip
     # -rN: a second code plane for the newest N tokens (at most 1/8 of the cache)
     refined = kv_eval.parse_method("kv4-rot-mse-r64")
     assert all(s.refine == 64 for s in refined.specs) and refined.fp16_ratio(4096, 3, 64) == 34 / 128 * (1 + 64 / 4096)
     assert refined.fp16_ratio(256, 3, 64) == 34 / 128 * (1 + 1 / 8)
     # named variants keep the amax scales (and no plane, sinks or offset) they were measured with;
     # -mse clips and -r64 refines, as the default does; -ks4 keeps K sinks, -kc centers K, -qs
-    # scales it by the queries and -kd defers all three to 64 tokens
+    # scales it by the queries, -kd defers all three to 64 tokens and -qr64 rounds prompt-sized appends
     assert all(s.clip and not s.refine and not s.sinks for s in kv_eval.parse_method("kv4-rot-mse").specs)
-    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs-kd").specs == (KVConfig().k, KVConfig().v)
+    assert kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs-kd-qr64").specs == (KVConfig().k, KVConfig().v)
     previous = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc-qs").specs[0]  # the default until the eighteenth run
-    assert previous == dataclasses.replace(KVConfig().k, defer_prefix=False)
+    assert previous == dataclasses.replace(KVConfig().k, defer_prefix=False, query_rounded=0)
+    # the default until the twenty-third run
+    assert kv_eval.parse_method("kv4-qr0").specs[0] == dataclasses.replace(previous, defer_prefix=True)
     older = kv_eval.parse_method("kv4-rot-mse-r64-ks4-kc").specs[0]  # the default until the fifteenth run
     assert older == dataclasses.replace(previous, query_scaled=False)
     assert not any(s.sinks or s.center for s in kv_eval.parse_method("kv4-rot-mse-r64").specs)
@@ -283,6 +285,10 @@ def test_method_names():
     assert kv_eval.parse_method("kv4-qr").specs == (dataclasses.replace(KVConfig().k, query_rounded=True), KVConfig().v)
     assert kv_eval.parse_method("kv4-qr").fp16_ratio(4096, 3, 64) == kv_eval.parse_method("kv4").fp16_ratio(4096, 3, 64)
     assert kv_eval.parse_method("sim-kv4-qr").specs == kv_eval.parse_method("kv4-qr").specs
+    # -qrN from N tokens on (the default's 64), -qr0 none: the default before it rounded
+    assert kv_eval.parse_method("kv4-qr64").specs == kv_eval.parse_method("kv4").specs
+    assert kv_eval.parse_method("kv4-qr0").specs[0] == dataclasses.replace(KVConfig().k, query_rounded=0)
+    assert kv_eval.parse_method("kv4-kd-qr8").specs[0].tag.endswith(":dp:qr8")
     with pytest.raises(ValueError):
         kv_eval.parse_method("kv4-g48")
     with pytest.raises(ValueError):

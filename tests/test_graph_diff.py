@@ -30,7 +30,7 @@ class GraphDiffTest(expecttest.TestCase):
 -    keys = torch.cat([tensor, k_embed], dim = -2)
 -    values = torch.cat([tensor_1, value_states], dim = -2)
 -    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = True, enable_gqa = True)
-+    kv4_pack = kvpass_graph_ops_kv4_pack(k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp', query = q_embed)
++    kv4_pack = kvpass_graph_ops_kv4_pack(k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', query = q_embed)
 +    kv4_pack_1 = kvpass_graph_ops_kv4_pack(value_states, spec = 'int4:token:64:rot:mse:r64')
 +    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, k_embed, value_states, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = True, enable_gqa = True)
 @@ -84 +82 @@
@@ -49,12 +49,12 @@ class GraphDiffTest(expecttest.TestCase):
 @@ -49,2 +49,2 @@
 -    keys = torch.cat([cache_layers_0_keys, k_embed], dim = -2)
 -    values = torch.cat([cache_layers_0_values, value_states], dim = -2)
-+    kv4_append = kvpass_graph_ops_kv4_append(cache_layers_0_keys, k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp', query = q_embed)
++    kv4_append = kvpass_graph_ops_kv4_append(cache_layers_0_keys, k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', query = q_embed)
 +    kv4_append_1 = kvpass_graph_ops_kv4_append(cache_layers_0_values, value_states, spec = 'int4:token:64:rot:mse:r64')
 @@ -53,2 +53,2 @@
 -    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = False, enable_gqa = True)
 -    attn_output_1 = attn_output.reshape(1, -1, 1, 64)
-+    kv4_sdpa = kvpass_graph_ops_kv4_sdpa(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp', v_spec = 'int4:token:64:rot:mse:r64')
++    kv4_sdpa = kvpass_graph_ops_kv4_sdpa(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', v_spec = 'int4:token:64:rot:mse:r64')
 +    attn_output_1 = kv4_sdpa.reshape(1, -1, 1, 64)
 @@ -85 +85 @@
 -    return (values, keys, logits)

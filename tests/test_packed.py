@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import kvpass
-from kvpass.config import PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec
+from kvpass.config import (
+    PREFIX_MIN_TOKENS, REFINE_SHARE, ROUNDED_APPEND_TOKENS, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec,
+)
 from kvpass import packed, reference
 from kvpass.packed import PackedKV
 from kvpass.reference import quantize_dequantize
@@ -593,7 +595,9 @@ def test_sinks_and_center_settings_are_checked_and_static_caches_strip_them():
         PackedKV.zeros((1, 1, 8, 64), torch.float16, "cpu", SINKS_CENTERED)
 
 
-QUERY_SCALED = dataclasses.replace(KVConfig().k, defer_prefix=False)
+# The default's K rounded to nearest: these tests compare codes with from_float's, which would round
+# against other queries than the appends did (query rounding's own tests are below).
+QUERY_SCALED = dataclasses.replace(KVConfig().k, defer_prefix=False, query_rounded=0)
 
 
 def _mismatched_queries_and_keys(tokens=120):
@@ -666,7 +670,7 @@ def test_query_scaled_setting_is_checked_and_static_caches_and_narrow_heads_stri
     assert KVConfig().k.query_scaled and not KVConfig().v.query_scaled  # K's default
 
 
-DEFERRED = KVConfig().k
+DEFERRED = dataclasses.replace(KVConfig().k, query_rounded=0)
 
 
 @pytest.mark.parametrize("head_dim, worst_ratio", [(32, 0.3369140625), (64, 0.32080078125), (128, 0.32080078125)])
@@ -841,6 +845,35 @@ def test_query_rounded_appends_round_their_tokens_against_their_own_queries():
     assert torch.equal(p.codes[:, :, 77:81], _codes_rounded_against(p, x[:, :, 81:85], q[:, :, 81:85]))
     assert torch.equal(p.codes[:, :, 81:], plain.codes[:, :, 81:])  # no queries: to nearest
     assert not torch.equal(p.codes[:, :, :81], plain.codes[:, :, :81])
+
+
+def test_query_rounding_from_n_tokens_rounds_only_appends_that_bring_n_tokens_of_queries():
+    """``query_rounded=4``: appends of 4 tokens or more are rounded against their queries, shorter
+    ones (and held tokens quantized by a shorter append) to nearest, so they store what rounding to
+    nearest stores; the default's threshold is a prompt's 64 tokens."""
+    q, x = _mismatched_queries_and_keys(127)
+    spec, nearest = (dataclasses.replace(QUERY_ROUNDED, query_rounded=n) for n in (4, 0))
+    p, plain = PackedKV.from_float(x[:, :, :80], spec, q[:, :, :80]), PackedKV.from_float(x[:, :, :80], nearest, q[:, :, :80])
+    steps = ((80, 83), (83, 87), (87, 88), (88, 120))
+    for start, stop in steps:
+        p, plain = p.append(x[:, :, start:stop], q[:, :, start:stop]), plain.append(x[:, :, start:stop])
+    assert p.spec.tag.endswith(":qr4") and p.stored_bytes() == plain.stored_bytes()
+    assert torch.equal(p.codes[:, :, :76], _codes_rounded_against(p, x[:, :, 4:80], q[:, :, :80]))
+    for start, stop in steps:
+        got = p.codes[:, :, start - 4 : stop - 4]
+        if stop - start >= 4:
+            assert torch.equal(got, _codes_rounded_against(p, x[:, :, start:stop], q[:, :, start:stop]))
+            assert not torch.equal(got, plain.codes[:, :, start - 4 : stop - 4])
+        else:
+            assert torch.equal(got, plain.codes[:, :, start - 4 : stop - 4])
+    # A short deferred prompt quantized by a 1-token append rounds to nearest; by a 64-token one, not.
+    default = dataclasses.replace(KVConfig().k, query_rounded=ROUNDED_APPEND_TOKENS)
+    for step in (1, 64):
+        held = PackedKV.from_float(x[:, :, :63], default, q[:, :, :63])
+        p = held.append(x[:, :, 63 : 63 + step], q[:, :, 63 : 63 + step])
+        tokens = torch.cat([held.dequantize(), x[:, :, 63 : 63 + step]], 2)
+        to_nearest = PackedKV.from_float(tokens, dataclasses.replace(default, query_rounded=0), q[:, :, : 63 + step])
+        assert torch.equal(p.codes, to_nearest.codes) == (step == 1)
 
 
 def test_a_deferred_query_rounded_prefix_is_rounded_against_the_append_that_quantizes_it():

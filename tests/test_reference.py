@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpass import reference as R
-from kvpass.config import KVConfig, QuantSpec
+from kvpass.config import ROUNDED_APPEND_TOKENS, KVConfig, QuantSpec
 
 SPECS = [
     QuantSpec(4, "token", 128),
@@ -636,11 +636,20 @@ def test_query_rounding_reads_the_query_that_reads_the_stored_key():
 def test_query_rounded_setting_is_checked_tagged_and_stripped_where_no_queries_come():
     assert QUERY_ROUNDED.tag.endswith(":qr") and QuantSpec.from_tag(QUERY_ROUNDED.tag) == QUERY_ROUNDED
     assert not QUERY_ROUNDED.for_slots.query_rounded and not QUERY_ROUNDED.for_head_dim(16).query_rounded
-    assert not KVConfig().k.query_rounded
+    # The default rounds appends of 64 tokens or more: True is every append (1), False none (0).
+    default = KVConfig().k
+    assert default.query_rounded == ROUNDED_APPEND_TOKENS == 64 and default.tag.endswith(":dp:qr64")
+    assert QuantSpec.from_tag(default.tag) == default and QUERY_ROUNDED.query_rounded == 1
+    assert [default.rounds(n) for n in (1, 63, 64, 2048)] == [False, False, True, True]
+    assert QUERY_ROUNDED.rounds(1) and not dataclasses.replace(default, query_rounded=False).rounds(2048)
+    assert dataclasses.replace(default, query_rounded=False) == dataclasses.replace(default, query_rounded=0)
     for kwargs in (dict(scheme="channel"), dict(window=64), dict(symmetric=False, clip=False), dict(span_heads=True)):
-        with pytest.raises(ValueError, match="query_rounded=True needs scheme='token', window=0, symmetric=True"):
+        with pytest.raises(ValueError, match="query_rounded=1 needs scheme='token', window=0, symmetric=True"):
             dataclasses.replace(QUERY_ROUNDED, **kwargs)
-    with pytest.raises(ValueError, match="query_rounded must be True or False"):
-        QuantSpec(query_rounded=1)
+    for bad in (-1, 1.5, "64"):
+        with pytest.raises(ValueError, match=r"query_rounded must be an int >= 0 \(the fewest tokens"):
+            QuantSpec(query_rounded=bad)
+    with pytest.raises(ValueError, match="bad QuantSpec tag"):
+        QuantSpec.from_tag("int4:token:64:qr064")
     with pytest.raises(ValueError, match="v.query_rounded=True is not supported"):
         KVConfig(v=QUERY_ROUNDED)

@@ -13,7 +13,8 @@ from kvpass.models_zoo import build
 from kvpass.simulate import SimulatedKVCache
 from tests.helpers import kv_heavy_llama
 
-K = dataclasses.replace(KVConfig().k, query_scaled=False)  # updates made directly hand over no queries
+# Updates made directly hand over no queries.
+K = dataclasses.replace(KVConfig().k, query_scaled=False, query_rounded=0)
 
 
 def test_simulating_one_layers_keys_leaves_every_other_tensor_exact():

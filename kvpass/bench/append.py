@@ -7,7 +7,8 @@ default) receives single-token appends, each timed on its own; three ways:
 * ``kv4 copy``: an int4 append that copies the packed cache every step (what a traced
   graph states, and what kvpass did before caches kept spare rows);
 * ``kv4``: :meth:`kvpass.packed.PackedKV.append` on a growable cache, writing the new
-  token's codes in place and regrowing the storage by a fraction of itself when full;
+  token's codes in place and regrowing the storage by a fraction of itself when full (the default
+  spec, which rounds to nearest in appends this short);
 * ``kv4-qr``: the same with ``k_query_rounded=True``, each append's codes rounded against its
   token's queries.
 
@@ -43,7 +44,8 @@ def _appender(method: str, past: torch.Tensor, spec, query: torch.Tensor):
 
     if method == "fp16 cat":
         return past, lambda cache, new: torch.cat([cache, new], dim=2)
-    spec = dataclasses.replace(spec, query_rounded=method == "kv4-qr")
+    # The default rounds only appends of many tokens; kv4-qr rounds each one-token append too.
+    spec = dataclasses.replace(spec, query_rounded=True) if method == "kv4-qr" else spec
     # Queries for the first tokens, which fix K's query scales; the rest of the fill needs none.
     first = spec.prefix_tokens
     packed = PackedKV.from_float(past[:, :, :first], spec, query.expand(-1, -1, first, -1)).append(past[:, :, first:])
