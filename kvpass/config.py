@@ -32,9 +32,9 @@ SHORT_PREFIX_MIN_TOKENS = 6
 SHORT_PREFIX_SINKS = 1
 # The default query-rounded K rounds only appends of at least this many tokens (a prompt, a prefill
 # chunk) against their queries: there the shares cost a small part of the append's compute per
-# token, and there they gained (SmolLM2's code at 2K, 64 at a time: -0.40 ± 0.11 points); a decode
-# step's one token of queries gained nothing measurable (greedy, 8 at a time) and would pay the
-# shares' fixed cost per token (docs/eval.md, twenty-third run).
+# token, and there they gained (SmolLM2's code at 2K, 64 at a time: -0.40 ± 0.11 points); appends
+# of a few tokens' queries (8 at a time, a decode step's one) gained nothing measurable and would pay
+# the shares' fixed cost per token (docs/eval.md, twenty-third run).
 ROUNDED_APPEND_TOKENS = 64
 # That sink gives up at most one refined token, not the 3 its bytes are worth: a short cache's plane is
 # a few tokens long, and each of them was worth more than the bytes (docs/eval.md). Groups of

@@ -368,6 +368,7 @@ class PackedKV(torch.Tensor):
             f"{'' if self.fine_codes is None else f', newest {self.fine_codes.shape[2]} refined'}"
             f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'}"
             f"{'' if self.query_scales is None else ', query-scaled'}"
+            f"{f', rounded against the queries of appends of {self.spec.query_rounded}+ tokens' if self.spec.query_rounded else ''}"
             f"{', waiting for its prefix' if self._waiting else ''})"
         )
 

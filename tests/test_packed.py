@@ -858,6 +858,7 @@ def test_query_rounding_from_n_tokens_rounds_only_appends_that_bring_n_tokens_of
     for start, stop in steps:
         p, plain = p.append(x[:, :, start:stop], q[:, :, start:stop]), plain.append(x[:, :, start:stop])
     assert p.spec.tag.endswith(":qr4") and p.stored_bytes() == plain.stored_bytes()
+    assert "rounded against the queries of appends of 4+ tokens" in repr(p) and "rounded" not in repr(plain)
     assert torch.equal(p.codes[:, :, :76], _codes_rounded_against(p, x[:, :, 4:80], q[:, :, :80]))
     for start, stop in steps:
         got = p.codes[:, :, start - 4 : stop - 4]
