@@ -586,6 +586,19 @@ def test_query_rounding_moves_the_error_out_of_what_the_queries_read(spec):
     assert read_error(rounded) < 0.2 * read_error(nearest)
 
 
+def test_a_long_append_rounds_each_token_as_it_would_alone():
+    """The reference rounds a prompt's tokens ROUNDING_TOKENS at a time; each token's codes are those
+    it takes rounded alone, wherever the slices fall."""
+    S = 2 * R.ROUNDING_TOKENS + 37
+    x = R.rotate(torch.randn(1, 2, S, 128, generator=torch.Generator().manual_seed(5)) * 2)
+    shares = R.rounding_coefficients(_concentrated_queries(1, 2, 128), 2, None, QUERY_ROUNDED)
+    codes, scales = R.quantize(x, QUERY_ROUNDED, shares)
+    for token in (0, R.ROUNDING_TOKENS - 1, R.ROUNDING_TOKENS, S - 1):
+        alone = R.quantize(x[:, :, token : token + 1], QUERY_ROUNDED, shares)
+        assert torch.equal(codes[:, :, token : token + 1], alone[0]) and torch.equal(scales[:, :, token : token + 1], alone[1])
+    assert not torch.equal(codes, R.quantize(x, QUERY_ROUNDED)[0])
+
+
 @pytest.mark.parametrize("n, g", [(1, 64), (3, 64), (8, 64), (4, 32), (2, 256)])
 def test_gptq_ratios_of_few_queries_are_the_cholesky_ratios(n, g):
     """A decode step's few queries take the low-rank route to GPTQ's ratios; above the diagonal (all
