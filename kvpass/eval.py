@@ -215,7 +215,7 @@ def parse_method(name: str) -> Method:
     if m["prefix_tokens"]:
         kwargs["k_prefix_tokens"] = int(m["prefix_tokens"])
     if m["query_rounded"] or variant or m["base"] != "kv4":
-        kwargs["k_query_rounded"] = (int(m["rounded_from"]) if m["rounded_from"] else True) if m["query_rounded"] else 0
+        kwargs["k_query_rounded"] = int(m["rounded_from"] or 1) if m["query_rounded"] else 0  # -qr: 1, every append
     if m["layers"]:
         if m["sim"]:
             raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")

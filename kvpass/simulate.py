@@ -21,9 +21,9 @@ A K spec that defers its prefix (``QuantSpec.defer_prefix``) is read exact until
 ``spec.prefix_tokens`` tokens, as kv4 holds it, and from the next update on quantized as one first
 append of all the tokens it held then (with all their queries).
 A query-rounded K spec (``QuantSpec.query_rounded``) rounds the tokens each update quantizes against
-that update's queries where it brings enough of them (:meth:`QuantSpec.rounds`), as kv4's append does; since those depend on the update, not on the tokens
-alone, each token is encoded once and its codes kept between reads (the only exception to
-re-quantizing the past).
+that update's queries where it brings enough of them (:meth:`QuantSpec.rounds`), as kv4's append
+does; since those depend on the update, not on the tokens alone, each token is encoded once and its
+codes kept between reads (the only exception to re-quantizing the past).
 """
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ def _read(full, spec, prefix, query_scales, start, stop, evicted, past, state=No
 def _rounded_by_append(state: dict, first: int, quantized: torch.Tensor, spec: QuantSpec):
     """``(codes, scales)`` of a query-rounded layer's stored tokens ``first ..`` (counted from the
     layer's first token), each rounded against the queries of the update that quantized it (to
-    nearest where it brought too few), as kv4 stores them. Each token is encoded once: later reads take its codes from ``state``, as they take
-    the same stored values."""
+    nearest where it brought too few), as kv4 stores them. Each token is encoded once: later reads
+    take its codes from ``state``, as they take the same stored values."""
     stop = first + quantized.shape[2]
     start, codes, scales = state.get("encoded", (first, quantized.new_empty(0), None))
     if first > start:  # a sliding window dropped the oldest
