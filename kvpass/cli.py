@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from kvpass import arguments
+
 log = logging.getLogger("kvpass")
 
 # subcommand -> (module providing add_arguments(parser) and run(args), help)
@@ -31,8 +33,8 @@ BENCHMARKS = {
 
 def _demo_arguments(parser):
     parser.add_argument("--model", default="llama_hd128", help="models_zoo name (default: llama_hd128)")
-    parser.add_argument("--prompt-tokens", type=int, default=300)
-    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--prompt-tokens", type=arguments.positive_int, default=300)
+    parser.add_argument("--new-tokens", type=arguments.positive_int, default=40)
 
 
 @torch.no_grad()
@@ -76,7 +78,7 @@ def run_demo(args) -> None:
 
 def _explain_arguments(parser):
     parser.add_argument("model", nargs="?", default="llama", help="models_zoo name (default: llama)")
-    parser.add_argument("--new-tokens", type=int, default=3, help="decode steps (3 shows every graph kind)")
+    parser.add_argument("--new-tokens", type=arguments.positive_int, default=3, help="decode steps (3 shows every graph kind)")
     parser.add_argument("--save", metavar="DIR", help="also write each graph's code, diff and site table here")
 
 

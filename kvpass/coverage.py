@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpass import arguments
+
 log = logging.getLogger("kvpass")
 
 # The sizes every tiny config gets, where its class declares the field (attribute_map
@@ -603,8 +605,8 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument("model_types", nargs="*", help="model types to check (default: every causal-LM type)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per model type")
-    parser.add_argument("--jobs", type=int, default=2, help="model types checked at once")
+    parser.add_argument("--timeout", type=arguments.positive_float, default=120.0, help="seconds per model type")
+    parser.add_argument("--jobs", type=arguments.positive_int, default=2, help="model types checked at once")
     parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
     parser.add_argument("--json", help="also write the rows as JSON here")
     parser.add_argument(

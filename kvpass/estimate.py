@@ -42,7 +42,7 @@ from kvpass.config import (
     MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig,
     QuantSpec,
 )  # fmt: skip
-from kvpass import reference
+from kvpass import arguments, reference
 from kvpass.backend import kv4
 
 logger = logging.getLogger("kvpass")
@@ -629,21 +629,6 @@ def _kv4_setting(text: str) -> tuple[str, Any]:
         return name, value
 
 
-def _tokens(text: str) -> int:
-    """argparse type: a token count, optionally with a K (x1024) or M suffix: '128K' -> 131072."""
-    scale = {"k": 2**10, "m": 2**20}.get(text[-1:].lower(), 1)
-    digits = text[:-1] if scale != 1 else text
-    try:
-        value = int(digits) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a token count like 4096 or 128K, got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvpass estimate``."""
     parser.add_argument(
@@ -651,36 +636,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="config directory / config.json, or a kvpass.models_zoo name",
     )
-    parser.add_argument("--layers", type=int, default=None, help="KV layers (instead of --model)")
+    parser.add_argument("--layers", type=arguments.positive_int, default=None, help="KV layers (instead of --model)")
     parser.add_argument(
-        "--kv-heads", dest="kv_heads", type=int, default=None, help="KV heads (instead of --model)"
+        "--kv-heads", dest="kv_heads", type=arguments.positive_int, default=None, help="KV heads (instead of --model)"
     )
     parser.add_argument(
         "--head-dim",
         dest="head_dim",
-        type=int,
+        type=arguments.positive_int,
         default=None,
         help="head dimension (instead of --model)",
     )
     parser.add_argument(
         "--context",
-        type=_tokens,
+        type=arguments.tokens,
         nargs="+",
         default=list(DEFAULT_CONTEXTS),
         help="context lengths in tokens; K suffix = x1024 (default: 4K 32K 128K)",
     )
     parser.add_argument(
         "--batch",
-        type=int,
+        type=arguments.positive_int,
         nargs="+",
         default=list(DEFAULT_BATCHES),
         help="batch sizes (default: 1)",
     )
     parser.add_argument(
-        "--k-group", dest="k_group", type=int, default=K_GROUP, help="kv4 K group: values per scale"
+        "--k-group", dest="k_group", type=arguments.positive_int, default=K_GROUP, help="kv4 K group: values per scale"
     )
     parser.add_argument(
-        "--v-group", dest="v_group", type=int, default=V_GROUP, help="kv4 V group: values per scale"
+        "--v-group", dest="v_group", type=arguments.positive_int, default=V_GROUP, help="kv4 V group: values per scale"
     )
     parser.add_argument(
         "--k-layer-bits",

@@ -90,6 +90,7 @@ from typing import Callable
 
 import torch
 
+from kvpass import arguments
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
@@ -662,24 +663,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
-    parser.add_argument("--contexts", default="2048", help="comma-separated context lengths (e.g. 512,2048,4096)")
-    parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
-    parser.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
+    parser.add_argument("--contexts", type=arguments.token_list, default="2048",
+                        help="comma-separated context lengths (e.g. 512,2048,4K)")
+    parser.add_argument("--chunk", type=arguments.positive_int, default=64, help="tokens fed per step (1 = pure decode; default 64)")
+    parser.add_argument("--prefill", type=arguments.positive_int, default=None, metavar="TOKENS",
                         help="tokens of each window's first step, a prompt arriving whole; scoring starts after them "
                              "(default: one chunk)")
-    parser.add_argument("--windows", type=int, default=1,
+    parser.add_argument("--windows", type=arguments.positive_int, default=1,
                         help="score this many consecutive windows of each context, each from an empty cache, pooled (default 1)")
     parser.add_argument("--against", metavar="METHOD",
                         help="also give every row's perplexity change against this method (one of --methods), paired "
                              "block by block over the same tokens, with its standard error")
-    parser.add_argument("--prompts", type=int, default=8, help="greedy prompts (default 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="tokens per greedy prompt (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    parser.add_argument("--prompts", type=arguments.positive_int, default=8, help="greedy prompts (default 8)")
+    parser.add_argument("--prompt-tokens", type=arguments.positive_int, default=512, help="tokens per greedy prompt (default 512)")
+    parser.add_argument("--new-tokens", type=arguments.positive_int, default=32, help="greedy tokens per prompt (default 32)")
     parser.add_argument("--no-greedy", action="store_true", help="perplexity only")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--keep-denormals", action="store_true",
                         help="do not flush float32 subnormals to zero (about 10x slower on x86 CPUs)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results (updated after every row) here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and settings as markdown here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -708,23 +710,21 @@ def run(args) -> int:
     torch.set_flush_denormal(not args.keep_denormals)
     methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
     settings = Settings(
-        contexts=tuple(int(c) for c in args.contexts.split(",")), chunk=args.chunk, prompts=args.prompts,
+        contexts=tuple(args.contexts), chunk=args.chunk, prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy, windows=args.windows,
         prefill=args.prefill,
     )  # fmt: skip
-    if settings.windows < 1:
-        raise ValueError(f"--windows must be 1 or more, got {settings.windows}")
-    if settings.prefill is not None and not 1 <= settings.prefill < min(settings.contexts):
-        raise ValueError(
-            f"--prefill must be at least 1 and under the shortest context {min(settings.contexts)}, got {settings.prefill}"
-        )
+    # Streaming perplexity scores the tokens after the first step: a first step as long as a window scores none.
+    option, first_step = ("--chunk", settings.chunk) if settings.prefill is None else ("--prefill", settings.prefill)
+    if first_step >= min(settings.contexts):
+        raise ValueError(f"{option} must be under the shortest context {min(settings.contexts)}, got {first_step}")
     if args.against is not None and args.against not in [m.name for m in methods]:
         raise ValueError(f"--against {args.against!r} is not among --methods {[m.name for m in methods]}")
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     limit = model.config.max_position_embeddings
     if max(settings.contexts) > limit:
-        raise SystemExit(f"context {max(settings.contexts)} exceeds the model's {limit} positions")
+        raise ValueError(f"--contexts: {max(settings.contexts)} exceeds the model's {limit} positions")
     needed = max(settings.contexts) * settings.windows + settings.prompts * settings.prompt_tokens
     sources = {name: (lambda n=name: text_data.load(n)) for name in args.texts.split(",") if name.strip()}
     for path in args.text_file:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kvpass import arguments
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.tables import render_table
 
@@ -84,11 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
     parser.add_argument("--text", default="kjv", help="kjv (default), code, or a text file's path")
-    parser.add_argument("--context", type=int, default=1024, help="tokens of the text (default 1024)")
-    parser.add_argument("--chunk", type=int, default=64, help="tokens fed per step (default 64)")
+    parser.add_argument("--context", type=arguments.tokens, default=1024, help="tokens of the text (default 1024)")
+    parser.add_argument("--chunk", type=arguments.positive_int, default=64, help="tokens fed per step (default 64)")
     parser.add_argument("--threshold", type=float, default=0.25,
                         help="suggest int8 keys for layers costing more than this many percent (default 0.25)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=arguments.positive_int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -102,8 +103,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as kvpass eval does: float32 subnormals are slow on x86
-    if args.chunk < 1 or args.context <= args.chunk:
-        raise SystemExit(f"need 1 <= --chunk < --context, got chunk {args.chunk}, context {args.context}")
+    if args.chunk >= args.context:
+        raise ValueError(f"--chunk must be under --context {args.context}, got {args.chunk}")
     start = time.perf_counter()
     text = text_data.load(args.text)
     model, tokenizer = load_model(args.model, dtype=torch.float32)

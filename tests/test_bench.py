@@ -72,8 +72,9 @@ def test_cli_arguments_parse():
     for module in (memory, decode):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
-        args = parser.parse_args(["--contexts", "64", "--long"])
-        assert args.long and args.contexts == "64"
+        args = parser.parse_args(["--contexts", "64,1K", "--long"])
+        assert args.long and args.contexts == [64, 1024]
+        assert parser.parse_args([]).contexts == [1024, 4096]  # argparse parses a string default too
 
 
 def test_append_grid_times_every_method_and_amortizes_the_growable_cache():

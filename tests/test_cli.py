@@ -1,10 +1,12 @@
 """The command line as a user types it."""
 
+import argparse
 import re
 
 import pytest
 import torch
 
+from kvpass import arguments
 from kvpass.cli import main
 
 
@@ -36,7 +38,21 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["explain", "llama9"], r"kvpass explain: error: unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"),
         (["estimate", "--model", "lfm2", "--k-layer-bits", "0:8"],
          r"error: k_layer_bits: 0 is not the index of a KV layer of models_zoo:lfm2; those are 1"),
-        (["eval", "--windows", "0"], r"kvpass eval: error: --windows must be 1 or more, got 0"),
+        (["eval", "--windows", "0"], r"kvpass eval: error: argument --windows: expected a positive integer, got '0'"),
+        (["eval", "--chunk", "0"], r"kvpass eval: error: argument --chunk: expected a positive integer, got '0'"),
+        (["eval", "--contexts", "512,2K", "--chunk", "512"], r"error: --chunk must be under the shortest context 512, got 512"),
+        (["eval", "--contexts", "512,x"], r"error: argument --contexts: expected a token count like 4096 or 128K, got 'x'"),
+        (["bench", "decode", "--contexts", "-5"], r"kvpass bench decode: error: argument --contexts: .*got '-5'"),
+        (["bench", "decode", "--methods", "fp,kv5"], r"kvpass bench decode: error: unknown method 'kv5'; use some of \['fp'"),
+        (["bench", "memory", "--batches", "1,0"], r"error: argument --batches: expected a positive integer, got '0'"),
+        (["bench", "memory", "--caches", "fp8"], r"error: unknown cache 'fp8'; use one of \['bf16'"),
+        (["bench", "append", "--contexts", ","], r"error: argument --contexts: expected comma-separated token counts"),
+        (["bench", "attention", "--warmup", "-1"], r"error: argument --warmup: expected an integer >= 0, got '-1'"),
+        (["coverage", "--timeout", "nan"], r"kvpass coverage: error: argument --timeout: expected a positive number, got 'nan'"),
+        (["sensitivity", "--context", "64", "--chunk", "64"], r"error: --chunk must be under --context 64, got 64"),
+        (["estimate", "--layers", "32", "--kv-heads", "0", "--head-dim", "128"],
+         r"error: argument --kv-heads: expected a positive integer, got '0'"),
+        (["demo", "--new-tokens", "1.5"], r"kvpass demo: error: argument --new-tokens: expected a positive integer, got '1.5'"),
         (["eval", "--methods", "fp,kv4", "--against", "int8"],
          r"kvpass eval: error: --against 'int8' is not among --methods \['fp', 'kv4'\]"),
     ]:  # fmt: skip
@@ -46,6 +62,16 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         assert re.search(message, capsys.readouterr().err)
     with pytest.raises(ValueError, match="unknown models_zoo name"):  # --verbose keeps the traceback
         main(["-v", "explain", "llama9"])
+
+
+def test_counts_take_the_forms_a_user_types():
+    assert arguments.tokens("128K") == 131072 and arguments.tokens("1m") == 2**20
+    assert arguments.token_list(" 512, 2K,") == [512, 2048]
+    assert arguments.positive_int_list("1,4") == [1, 4] and arguments.count("0") == 0
+    for parse, text in [(arguments.tokens, "0"), (arguments.tokens, "2.5K"), (arguments.positive_int, "-3"),
+                        (arguments.positive_float, "-inf"), (arguments.token_list, "")]:  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+            parse(text)
 
 
 @pytest.mark.parametrize("command", [[], ["bench"]])

@@ -104,10 +104,6 @@ def stored_bytes(cache) -> int:
     return cache_bytes(cache)
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).split(",") if x.strip()]
-
-
 def command_line(benchmark: str) -> str:
     """The command that reproduces this run, for the results it writes."""
     argv = sys.argv[1:]

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from kvpass import arguments
 from kvpass.tables import render_table
 
 METHODS = ("fp16 cat", "kv4 copy", "kv4", "kv4-qr")
@@ -114,12 +115,12 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--contexts", default="1024,4096,16384,65536", help="comma-separated context lengths")
-    parser.add_argument("--steps", type=int, help=f"appends timed per point (default: {COPYING_STEPS}; "
+    parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096,16384,65536", help="comma-separated context lengths")
+    parser.add_argument("--steps", type=arguments.positive_int, help=f"appends timed per point (default: {COPYING_STEPS}; "
                         "kv4: enough to cross a regrowth)")  # fmt: skip
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=arguments.positive_int, default=1)
+    parser.add_argument("--heads", type=arguments.positive_int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--head-dim", type=arguments.positive_int, default=128)
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
 
@@ -130,8 +131,8 @@ def run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; use one of {', '.join(METHODS)}")
-    rows = run_grid(methods, bench.parse_ints(args.contexts), args.steps,
+            raise ValueError(f"unknown method {m!r}; use one of {', '.join(METHODS)}")
+    rows = run_grid(methods, args.contexts, args.steps,
                     batch=args.batch, heads=args.heads, head_dim=args.head_dim)  # fmt: skip
     print(format_table(rows))
     info = dict(command=bench.command_line("append"), torch=torch.__version__, rows=rows)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from kvpass import reference
+from kvpass import arguments, reference
 from kvpass.config import KVConfig
 
 # Larger than any L2 (H200: 50 MiB), rewritten before every timed call so no method is
@@ -27,13 +27,13 @@ L2_FLUSH_BYTES = 256 << 20
 
 
 def add_arguments(parser):
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--batch", type=arguments.positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=arguments.tokens, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--q-heads", type=arguments.positive_int, default=32)
+    parser.add_argument("--kv-heads", type=arguments.positive_int, default=8)
+    parser.add_argument("--head-dim", type=arguments.positive_int, default=128)
+    parser.add_argument("--warmup", type=arguments.count, default=5)
+    parser.add_argument("--iters", type=arguments.positive_int, default=30)
     parser.add_argument("--output", help="also write the results here: .json for records, anything else as markdown")
 
 

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
@@ -126,16 +127,16 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated (default {DEFAULT_METHODS})")
-    parser.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
+    parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps (default 10)")
+    parser.add_argument("--batch", type=arguments.positive_int, default=1)
+    parser.add_argument("--warmup", type=arguments.count, default=3, help="untimed decode steps first (default 3)")
+    parser.add_argument("--steps", type=arguments.positive_int, default=10, help="timed decode steps (default 10)")
     parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--hidden", type=arguments.positive_int, default=1024)
+    parser.add_argument("--layers", type=arguments.positive_int, default=2)
+    parser.add_argument("--threads", type=arguments.positive_int, default=None)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
     parser.add_argument("--no-progress", action="store_true")
@@ -149,8 +150,8 @@ def run(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         if m not in _HOW:
-            raise SystemExit(f"unknown method {m!r}; use some of {list(_HOW)}")
-    contexts = bench.parse_ints(args.contexts) + ([16384] if args.long else [])
+            raise ValueError(f"unknown method {m!r}; use some of {list(_HOW)}")
+    contexts = args.contexts + ([16384] if args.long else [])
     t0 = time.perf_counter()
     rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, getattr(torch, args.dtype),
                     dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress)  # fmt: skip

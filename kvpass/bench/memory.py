@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_CACHES = "fp16,bf16,kv4,quanto"
@@ -132,14 +133,14 @@ def plot(rows: list[dict], path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", default=DEFAULT_CACHES, help=f"comma-separated (default {DEFAULT_CACHES}); "
                         "also fp32, kv4-bf16, kv4-fp32, quanto-fp32")  # fmt: skip
-    parser.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
+    parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
-    parser.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
-    parser.add_argument("--decode", type=int, default=8, help="tokens decoded after filling (default 8)")
-    parser.add_argument("--chunk", type=int, default=256, help="fill chunk in tokens (default 256)")
-    parser.add_argument("--hidden", type=int, default=1024, help="model width (default 1024; tests use less)")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--batches", type=arguments.positive_int_list, default="1,4", help="comma-separated batch sizes (default 1,4)")
+    parser.add_argument("--decode", type=arguments.count, default=8, help="tokens decoded after filling (default 8)")
+    parser.add_argument("--chunk", type=arguments.positive_int, default=256, help="fill chunk in tokens (default 256)")
+    parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="model width (default 1024; tests use less)")
+    parser.add_argument("--layers", type=arguments.positive_int, default=2)
+    parser.add_argument("--timeout", type=arguments.positive_float, default=1800, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
     parser.add_argument("--plot", metavar="PNG", help="plot memory against context here")
@@ -148,14 +149,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from kvpass import bench
 
-    contexts = bench.parse_ints(args.contexts) + ([16384] if args.long else [])
+    contexts = args.contexts + ([16384] if args.long else [])
     sizes = dict(hidden=args.hidden, layers=args.layers)
     rows = []
     t0 = time.perf_counter()
     for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
         if cache not in bench.CACHES:
-            raise SystemExit(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
-        for batch in bench.parse_ints(args.batches):
+            raise ValueError(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
+        for batch in args.batches:
             for ctx in contexts:
                 row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout)
                 rows.append(row)

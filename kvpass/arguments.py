@@ -1,0 +1,69 @@
+"""argparse types shared by the subcommands: a bad count is refused while parsing, naming the value
+and what is accepted, instead of failing later inside a run (``--chunk 0``) or running nonsense
+(``--contexts -5``)."""
+
+from __future__ import annotations
+
+import argparse
+
+_SUFFIXES = {"k": 2**10, "m": 2**20}
+
+
+def positive_int(text: str) -> int:
+    """``'8'`` -> 8; zero, negatives and non-integers are refused."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def count(text: str) -> int:
+    """``'0'`` -> 0: a count that may be zero (warm-up steps, tokens decoded after a fill)."""
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """``'150'`` -> 150.0 (seconds, say); zero, negatives and NaN are refused."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def tokens(text: str) -> int:
+    """A token count, optionally with a K (x1024) or M (x1024**2) suffix: ``'128K'`` -> 131072."""
+    scale = _SUFFIXES.get(text[-1:].lower(), 1)
+    try:
+        value = int(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 4096 or 128K, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def token_list(text: str) -> list[int]:
+    """Comma-separated token counts: ``'512,2K'`` -> ``[512, 2048]``."""
+    return _listed(text, tokens, "token counts such as 512,2048")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers: ``'1,4'`` -> ``[1, 4]``."""
+    return _listed(text, positive_int, "positive integers such as 1,4")
+
+
+def _int_at_least(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _listed(text: str, item, what: str) -> list:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+    return [item(part) for part in parts]
