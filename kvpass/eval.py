@@ -175,8 +175,8 @@ def parse_method(name: str) -> Method:
             "optionally with -gN (group size) / -intN (bits) / -kN, -vN (K, V bits) / -asym or -sym / -mse / -rN suffixes, "
             "a sim- prefix, -wW (fp window), -ksN (K fp sinks), -kc (K offset), -qs (K scaled by the queries), "
             "-kB@L.L (K bits B in layers L), -kd (K prefix deferred to 64 tokens), -kpN (K prefix statistics "
-            "over N tokens, and deferred to N), -qr (K's codes rounded against the queries), "
-            "and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
+            "over N tokens, and deferred to N), -qr or -qrN (K's codes rounded against the queries in every append, "
+            "or in appends of N tokens or more), and for sim- -sN (fp sinks) / -fF (flush block) suffixes"
         )
     kwargs: dict = {}
     variant = m["variant"]
