@@ -14,7 +14,7 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
 
-def count(text: str) -> int:
+def nonnegative_int(text: str) -> int:
     """``'0'`` -> 0: a count that may be zero (warm-up steps, tokens decoded after a fill)."""
     return _int_at_least(text, 0, "an integer >= 0")
 

@@ -67,7 +67,7 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
 def test_counts_take_the_forms_a_user_types():
     assert arguments.tokens("128K") == 131072 and arguments.tokens("1m") == 2**20
     assert arguments.token_list(" 512, 2K,") == [512, 2048]
-    assert arguments.positive_int_list("1,4") == [1, 4] and arguments.count("0") == 0
+    assert arguments.positive_int_list("1,4") == [1, 4] and arguments.nonnegative_int("0") == 0
     for parse, text in [(arguments.tokens, "0"), (arguments.tokens, "2.5K"), (arguments.positive_int, "-3"),
                         (arguments.positive_float, "-inf"), (arguments.token_list, "")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):

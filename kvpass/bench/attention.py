@@ -32,7 +32,7 @@ def add_arguments(parser):
     parser.add_argument("--q-heads", type=arguments.positive_int, default=32)
     parser.add_argument("--kv-heads", type=arguments.positive_int, default=8)
     parser.add_argument("--head-dim", type=arguments.positive_int, default=128)
-    parser.add_argument("--warmup", type=arguments.count, default=5)
+    parser.add_argument("--warmup", type=arguments.nonnegative_int, default=5)
     parser.add_argument("--iters", type=arguments.positive_int, default=30)
     parser.add_argument("--output", help="also write the results here: .json for records, anything else as markdown")
 

@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
     parser.add_argument("--batch", type=arguments.positive_int, default=1)
-    parser.add_argument("--warmup", type=arguments.count, default=3, help="untimed decode steps first (default 3)")
+    parser.add_argument("--warmup", type=arguments.nonnegative_int, default=3,
+                        help="untimed decode steps first (default 3)")
     parser.add_argument("--steps", type=arguments.positive_int, default=10, help="timed decode steps (default 10)")
     parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -136,7 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
     parser.add_argument("--batches", type=arguments.positive_int_list, default="1,4", help="comma-separated batch sizes (default 1,4)")
-    parser.add_argument("--decode", type=arguments.count, default=8, help="tokens decoded after filling (default 8)")
+    parser.add_argument("--decode", type=arguments.nonnegative_int, default=8,
+                        help="tokens decoded after filling (default 8)")
     parser.add_argument("--chunk", type=arguments.positive_int, default=256, help="fill chunk in tokens (default 256)")
     parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="model width (default 1024; tests use less)")
     parser.add_argument("--layers", type=arguments.positive_int, default=2)
