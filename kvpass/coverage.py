@@ -120,6 +120,9 @@ QWEN4_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32
 DOTS3_TEXT = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 64,
               "swa_kv_lora_rank": 32, "swa_head_dim": 48, "swa_qk_nope_head_dim": 32, "swa_v_head_dim": 32}  # fmt: skip
 PROMPT_TOKENS = 70
+# The most a rewritten type's decode logits may differ from its eager twin's (tests/test_zoo_e2e.py's
+# bound): beyond it, or not finite, kv4 computed something else and the row must not count as rewritten.
+TWIN_TOLERANCE = 1e-4
 # Types this check cannot run at all, and why (the row says so instead of a misleading error).
 ASSISTANT = "a draft model: every layer reads the K/V its target model shares, it has no cache of its own to generate alone"
 MUSICGEN = ("an audio-codebook LM: its causal-LM class takes only the decoder config, and with that its own generate() "
@@ -381,11 +384,16 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)]
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     status, reasons = site_status(sites, len(tensors), len(packed))
-    if checked_unscaled:
+    if checked_unscaled and packed:
         unused = " and ".join(what for what, used in (("query scales", defaults.k.query_scaled),
                                                        ("query rounding", defaults.k.query_rounded)) if used)  # fmt: skip
         reasons.append(f"logits checked without {unused}: attention outside transformers' AttentionInterface "
                        "hands the eager twin no queries")  # fmt: skip
+    logits_error = float((got - expected).abs().max()) if packed else None
+    if logits_error is not None and not logits_error <= TWIN_TOLERANCE:  # NaN too
+        status = "wrong logits"
+        reasons.append(f"the decode step's logits differ from the eager twin's by {logits_error:.3g} "
+                       f"(at most {TWIN_TOLERANCE:g} expected)")  # fmt: skip
     if routes and status == "rewritten":
         row["routes"] = check_routes(model, settings)
     return {
@@ -393,7 +401,7 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
         "status": status,
         "sites": f"{sum(site.rewritten for site in sites)}/{len(sites)}",
         "bytes_ratio": round(_fp16_ratio(packed), 3) if packed else None,
-        "logits_error": float((got - expected).abs().max()) if packed else None,
+        "logits_error": logits_error,
         "reason": "; ".join(reasons),
     }
 
@@ -538,7 +546,8 @@ def rows_so_far(rows_file: Path, settings: dict) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    with_cache = [r for r in rows if r["status"] in ("rewritten", "partly rewritten", "left fp16", "no site found", "kv4 fails")]
+    with_cache = [r for r in rows if r["status"] in ("rewritten", "partly rewritten", "left fp16", "no site found", "kv4 fails",
+                                                     "wrong logits")]  # fmt: skip
     rewritten = [r for r in with_cache if r["status"] == "rewritten"]
     return {
         "types": len(rows),
@@ -577,7 +586,8 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
         f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
         f"a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
-        "reading the same quantized past (`logits error`, max abs); `bytes` is stored / fp16 bytes of",
+        f"reading the same quantized past (`logits error`, max abs; over {TWIN_TOLERANCE:g} or not finite, the",
+        "status is `wrong logits`); `bytes` is stored / fp16 bytes of",
         "the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
         f"**{summary['fully_rewritten']} of {summary['with_attention_cache_running_eagerly']}** types that have an "

@@ -540,7 +540,10 @@ def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor, spec: QuantSpe
     # A channel no first token used (or no query reads) gets a bounded scale, not an infinite one.
     q_energy, k_energy = (e.clamp_min(1e-6 * e.amax(-1, keepdim=True)) for e in (q_energy, k_energy))
     s = (q_energy / k_energy).pow(0.25)
-    s = (s / s.log().mean(-1, keepdim=True).exp()).clamp(1 / QUERY_SCALE_RANGE, QUERY_SCALE_RANGE)
+    s = s / s.log().mean(-1, keepdim=True).exp()
+    # A head whose first keys do not vary, or that no query reads, has no ratio (0/0, x/0): it stays
+    # unscaled rather than storing NaN. So does one whose energies overflow fp32.
+    s = torch.where(s.isfinite().all(-1, keepdim=True), s, 1.0).clamp(1 / QUERY_SCALE_RANGE, QUERY_SCALE_RANGE)
     return s.repeat(1, 1, 2)[:, :, None].to(SCALE_DTYPE)
 
 

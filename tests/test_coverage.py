@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvpass import cli, coverage
-from kvpass.coverage import check_one, site_status, tiny_config
+from kvpass.coverage import check_one, site_status, summarize, tiny_config
 from kvpass.models_zoo import build
 from kvpass.passes import SiteReport
 
@@ -133,6 +133,15 @@ def test_a_model_the_twin_sees_no_queries_of_is_checked_without_what_k_takes_fro
     row = check_one("bloom", settings={"k_query_rounded": True})
     assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
     assert "logits checked without query scales and query rounding" in row["reason"]
+
+
+def test_logits_that_part_from_the_twin_are_a_finding_not_a_rewrite(monkeypatch):
+    # A tiny random ZAYA's all-zero keys once gave NaN query scales and NaN logits, reported as rewritten.
+    twin = coverage._twin_logits
+    monkeypatch.setattr(coverage, "_twin_logits", lambda *args: twin(*args) * float("nan"))
+    row = check_one("gpt2")
+    assert row["status"] == "wrong logits" and "differ from the eager twin's by nan" in row["reason"], row
+    assert summarize([row, {"model_type": "x", "status": "rewritten"}])["fully_rewritten"] == 1
 
 
 def test_settings_reach_the_checked_model_type_through_its_subprocess():

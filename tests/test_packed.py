@@ -645,6 +645,19 @@ def test_query_scales_are_fixed_by_a_prompt_and_its_queries_and_undone_on_readin
     assert torch.equal(torch.load(buffer).dequantize(), p.dequantize())
 
 
+def test_a_head_without_a_ratio_of_energies_stays_unscaled_and_finite():
+    """A head whose first keys do not vary (a tiny random ZAYA's keys are all zero) or that no query
+    reads has no energy ratio: its scales are 1, where 0/0 used to store NaN keys and NaN logits."""
+    q, x = _mismatched_queries_and_keys()
+    x[0, 1] = 0.5  # constant keys: no variance in any channel
+    q[1, 2:] = 0  # KV head 1 of sequence 1: no query reads it
+    s = reference.query_key_scales(reference.query_energy(q[:, :, :80], 2, QUERY_SCALED), x[:, :, :80], QUERY_SCALED)
+    assert torch.equal(s[0, 1], torch.ones_like(s[0, 1])) and torch.equal(s[1, 1], torch.ones_like(s[1, 1]))
+    assert s[0, 0].min() < 0.5 and s[1, 0].min() < 0.5  # the other heads keep theirs
+    p = PackedKV.from_float(torch.zeros_like(x), QUERY_SCALED, q)
+    assert torch.equal(p.query_scales, torch.ones_like(p.query_scales)) and torch.equal(p.dequantize(), torch.zeros_like(x))
+
+
 def test_no_query_or_a_short_prompt_leaves_keys_unscaled():
     q, x = _mismatched_queries_and_keys()
     plain = PackedKV.from_float(x, dataclasses.replace(QUERY_SCALED, query_scaled=False)).dequantize()
