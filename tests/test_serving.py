@@ -14,7 +14,7 @@ import kvpass
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
-from kvpass.simulate import FpTokens, SimulatedKVCache
+from kvpass.simulate import FpTokens, SimulatedKVCache, observed_queries
 from tests.helpers import kv_heavy_llama
 
 
@@ -49,6 +49,34 @@ def test_left_padded_batch():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     assert isinstance(out.past_key_values.layers[0].keys, PackedKV)
     assert torch.equal(out.sequences, expected)
+
+
+@torch.no_grad()
+def test_a_long_left_padding_decodes_as_the_twin_does():
+    """With heads wide enough for K's query scales: a row padded by more than K's first 68 tokens has
+    identical pad keys there (one token, one position), so no spread to scale by. Its scales are 1;
+    they were 0/0, and the row stored NaN keys and decoded NaN logits."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama(layers=1)
+    ids, mask = _prompt(2, 100), torch.ones(2, 100, dtype=torch.long)
+    mask[1, :80] = 0
+    ids[mask == 0] = 0
+    position_ids = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate places pads
+    nxt, inputs = _prompt(2, 1, seed=1), dict(attention_mask=mask, position_ids=position_ids, use_cache=True)
+    step_mask, step_positions = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1), position_ids[:, -1:] + 1
+    cache, config = DynamicCache(), kvpass.kv4().config
+    step = torch.compile(model, backend="kv4")
+    step(input_ids=ids, past_key_values=cache, **inputs)
+    got = step(input_ids=nxt, past_key_values=cache, attention_mask=step_mask, position_ids=step_positions).logits
+    keys = cache.layers[0].keys
+    assert isinstance(keys, PackedKV) and keys.query_scales[1].eq(1).all() and keys.query_scales[0].ne(1).any()
+    reference = SimulatedKVCache(model.config, config.k, config.v)
+    with observed_queries():
+        model(input_ids=ids, past_key_values=reference, **inputs)
+        expected = model(input_ids=nxt, past_key_values=reference, attention_mask=step_mask,
+                         position_ids=step_positions).logits
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_beam_search_reorders_the_packed_cache():
