@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 
 import torch
 from transformers import DynamicCache
@@ -75,6 +76,7 @@ def main() -> None:
     if args.prompt >= BESIDE or args.continuation % NLL_BLOCK:
         parser.error(f"--prompt must be under {BESIDE} and --continuation a multiple of {NLL_BLOCK}")
     torch.set_flush_denormal(True)  # as kvpass eval does: float32 subnormals are slow on x86
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     model, tokenizer = load_model(args.model)
     ids = tokenize_text(tokenizer, text_data.load(args.text), 2000 + SPACING * args.windows + BESIDE + args.continuation)
     scored = args.continuation * args.windows

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import kvpass
 from kvpass import eval as kv_eval
 from kvpass import reference
 from kvpass import text_data
@@ -585,14 +586,29 @@ def test_fp_token_method_names_and_bytes():
     assert real.fp16_ratio(4096, 3, 64) < plain
 
 
-def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
+def _benchmark(name: str):
+    """A script of ``benchmarks/`` (not a package) as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "benchmarks" / "eval_regions.py"
-    spec = importlib.util.spec_from_file_location("eval_regions", path)
-    eval_regions = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eval_regions)
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_padded_rows_scores_a_padded_row_as_the_sequence_alone_when_nothing_is_quantized():
+    padded_rows = _benchmark("padded_rows")
+    model, ids = kv_heavy_llama(layers=1), _tokens(2400, seed=6)
+    settings = dict(prompt=100, continuation=64, chunk=16, windows=1)
+    alone, padded = (padded_rows.continuation_nll_blocks(model, None, ids, padded=p, **settings) for p in (False, True))
+    assert len(padded) == 1 and padded == pytest.approx(alone, rel=1e-5)  # the mask and positions hide the pads
+    quantized = padded_rows.continuation_nll_blocks(model, kvpass.kv4(), ids, padded=True, **settings)
+    assert math.isfinite(quantized[0]) and quantized != padded
+
+
+def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
+    eval_regions = _benchmark("eval_regions")
     # Two windows of 320 tokens after a 64-token first step: 4 blocks each, blocks 0-1 before token 192.
     base = [10.0, 10.0, 10.0, 10.0] * 2
     mine = [11.0, 11.5, 10.0, 10.2, 11.0, 10.5, 10.0, 9.8]
