@@ -83,12 +83,19 @@ def main() -> None:
     print(f"{args.model}, {args.text}: B's {args.prompt}-token prompt, padded by {BESIDE - args.prompt} in the batch; "
           f"{scored} scored tokens over {args.windows} windows, fed {args.chunk} at a time")  # fmt: skip
     print("| B | fp perplexity | kv4 perplexity | change |\n|---|---|---|---|")
+    blocks = {}
     for padded in (False, True):
-        fp, kv4 = (continuation_nll_blocks(model, backend, ids, args.prompt, args.continuation, args.chunk,
-                                           args.windows, padded) for backend in (None, kvpass.kv4()))  # fmt: skip
-        change = 100 * (math.exp((sum(kv4) - sum(fp)) / scored) - 1)
+        fp, kv4 = blocks[padded] = [continuation_nll_blocks(model, backend, ids, args.prompt, args.continuation,
+                                                            args.chunk, args.windows, padded)
+                                    for backend in (None, kvpass.kv4())]  # fmt: skip
         print(f"| {'padded, row 1 of 2' if padded else 'alone'} | {math.exp(sum(fp) / scored):.4f} | "
-              f"{math.exp(sum(kv4) / scored):.4f} | {change:+.2f}% ± {paired_delta_se(kv4, fp, scored):.2f} |", flush=True)  # fmt: skip
+              f"{math.exp(sum(kv4) / scored):.4f} | {_change(kv4, fp, scored)} |", flush=True)  # fmt: skip
+    print(f"kv4 padded against kv4 alone, same tokens: {_change(blocks[True][1], blocks[False][1], scored)}")
+
+
+def _change(blocks: list[float], base_blocks: list[float], scored: int) -> str:
+    change = 100 * (math.exp((sum(blocks) - sum(base_blocks)) / scored) - 1)
+    return f"{change:+.2f}% ± {paired_delta_se(blocks, base_blocks, scored):.2f}"
 
 
 if __name__ == "__main__":
