@@ -7,7 +7,8 @@ and query scales, taken from a cache's first tokens) then comes from pad tokens.
 sequence B, whose prompt of ``--prompt`` tokens is followed by ``--continuation`` tokens, runs alone
 and as row 1 of a batch beside a 300-token prompt A (so padded by ``300 - prompt``), positions placed
 as ``generate`` places them. B's continuation is fed ``--chunk`` tokens at a time with the cache
-carried over, and scored (mean NLL, teacher-forced). Prints the perplexity change of kv4 against the
+carried over, and scored (mean NLL, teacher-forced). Both prompts start with the tokenizer's BOS
+where it has one (Gemma's), as ``kvpass eval``'s texts do. Prints the perplexity change of kv4 against the
 unquantized model in both settings, paired over 64-token blocks.
 """
 
@@ -30,14 +31,15 @@ SPACING = 600  # tokens between windows (B spans at most 555); B's text lies 2,0
 
 
 @torch.no_grad()
-def continuation_nll_blocks(model, backend, ids, prompt, continuation, chunk, windows, padded) -> list[float]:
-    """Summed NLL of B's continuation over every ``NLL_BLOCK`` tokens, window after window."""
+def continuation_nll_blocks(model, backend, ids, prefix, prompt, continuation, chunk, windows, padded) -> list[float]:
+    """Summed NLL of B's continuation over every ``NLL_BLOCK`` tokens, window after window; ``prefix``
+    (the tokenizer's BOS, if any) starts both prompts, as in ``kvpass eval``."""
     torch._dynamo.reset()
     step = model if backend is None else torch.compile(model, backend=backend)
     blocks = []
     for start in range(0, SPACING * windows, SPACING):
-        a = ids[start : start + BESIDE + continuation]
-        b = ids[start + 2000 : start + 2000 + prompt + continuation]
+        a = torch.cat([prefix, ids[start : start + BESIDE + continuation - len(prefix)]])
+        b = torch.cat([prefix, ids[start + 2000 : start + 2000 + prompt + continuation - len(prefix)]])
         if padded:
             pad = BESIDE - prompt
             prompts = torch.stack([a[:BESIDE], torch.cat([torch.zeros(pad, dtype=b.dtype), b[:prompt]])])
@@ -79,13 +81,14 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     model, tokenizer = load_model(args.model)
     ids = tokenize_text(tokenizer, text_data.load(args.text), 2000 + SPACING * args.windows + BESIDE + args.continuation)
+    prefix = tokenizer("", return_tensors="pt").input_ids[0]  # BOS for Gemma; nothing for SmolLM2
     scored = args.continuation * args.windows
     print(f"{args.model}, {args.text}: B's {args.prompt}-token prompt, padded by {BESIDE - args.prompt} in the batch; "
           f"{scored} scored tokens over {args.windows} windows, fed {args.chunk} at a time")  # fmt: skip
     print("| B | fp perplexity | kv4 perplexity | change |\n|---|---|---|---|")
     blocks = {}
     for padded in (False, True):
-        fp, kv4 = blocks[padded] = [continuation_nll_blocks(model, backend, ids, args.prompt, args.continuation,
+        fp, kv4 = blocks[padded] = [continuation_nll_blocks(model, backend, ids, prefix, args.prompt, args.continuation,
                                                             args.chunk, args.windows, padded)
                                     for backend in (None, kvpass.kv4())]  # fmt: skip
         print(f"| {'padded, row 1 of 2' if padded else 'alone'} | {math.exp(sum(fp) / scored):.4f} | "

@@ -600,7 +600,7 @@ def _benchmark(name: str):
 def test_padded_rows_scores_a_padded_row_as_the_sequence_alone_when_nothing_is_quantized():
     padded_rows = _benchmark("padded_rows")
     model, ids = kv_heavy_llama(layers=1), _tokens(2400, seed=6)
-    settings = dict(prompt=100, continuation=64, chunk=16, windows=1)
+    settings = dict(prefix=torch.tensor([1]), prompt=100, continuation=64, chunk=16, windows=1)  # a BOS, as Gemma's
     alone, padded = (padded_rows.continuation_nll_blocks(model, None, ids, padded=p, **settings) for p in (False, True))
     assert len(padded) == 1 and padded == pytest.approx(alone, rel=1e-5)  # the mask and positions hide the pads
     quantized = padded_rows.continuation_nll_blocks(model, kvpass.kv4(), ids, padded=True, **settings)
