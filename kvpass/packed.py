@@ -188,9 +188,7 @@ class PackedKV(torch.Tensor):
         if self._waiting:
             return self._held_append(new, query)
         # Only a first append takes query scales: decode steps skip the energy.
-        energy = None
-        if query is not None and self._is_empty:
-            energy = reference.query_energy(query, new.shape[1], self.spec, pads=reference.leading_pads(new))
+        energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1], self.spec)
         return self._quantized_append(new, energy, query)
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None,
@@ -201,10 +199,7 @@ class PackedKV(torch.Tensor):
         query_scales, new = self._query_scaled(new, q_energy)
         rounding = None
         if query is not None and self.spec.rounds(query.shape[2]):
-            # Queries of a first append's pads read nothing (held tokens came first: their queries are gone).
-            pads = reference.leading_pads(new) if self._is_empty else None
-            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate,
-                                                       pads, new.shape[2] - query.shape[2])  # fmt: skip
+            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate)
         head, offset, new = self._sinks_and_offset(new)
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding)
@@ -226,8 +221,7 @@ class PackedKV(torch.Tensor):
         q_energy = None
         # The queries of every held token, or none: scales from some of them would be another statistic.
         if query is not None and self.spec.gathers_queries and (held == 0 or self.query_energy.shape[2]):
-            pads = reference.leading_pads(self.residual if held else new)
-            q_energy = reference.query_energy(query, new.shape[1], self.spec, held, pads)
+            q_energy = reference.query_energy(query, new.shape[1], self.spec, held)
             if held:
                 q_energy = q_energy + self.query_energy
         if self.spec.waits(held + new.shape[2]):

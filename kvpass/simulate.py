@@ -39,7 +39,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
-    bits_per_value, by_query_scales, center_offset, fixed_or_none, leading_pads, query_energy, query_key_scales, quantize,
+    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_energy, query_key_scales, quantize,
     quantize_dequantize, rounding_coefficients,
 )  # fmt: skip
 
@@ -135,8 +135,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, state, key_states,
         seen = state["seen"]
         span = (0 if deferred or first_update else seen - key_states.shape[2], seen)
         if k_spec.rounds(key_states.shape[2]):
-            pads = leading_pads(full_k if deferred else key_states) if span[0] == 0 else None
-            state.update(rounding_pending=(*span, pads), rounded_spec=k_spec, kv_heads=key_states.shape[1])
+            state.update(rounding_pending=span, rounded_spec=k_spec, kv_heads=key_states.shape[1])
             _await_queries(state)
         else:
             state.setdefault("rounding", []).append((*span, None))
@@ -220,9 +219,8 @@ def _take_queries(state: dict, query: torch.Tensor) -> None:
     elif "queries" in state:
         state["queries"].append(query)
     if "rounding_pending" in state:
-        lo, hi, pads = state.pop("rounding_pending")
-        rounding = rounding_coefficients(query, state["kv_heads"], state.get("query_scales"), state["rounded_spec"],
-                                         pads=pads, seen=hi - query.shape[2])  # fmt: skip
+        lo, hi = state.pop("rounding_pending")
+        rounding = rounding_coefficients(query, state["kv_heads"], state.get("query_scales"), state["rounded_spec"])
         state.setdefault("rounding", []).append((lo, hi, rounding))
 
 
@@ -238,7 +236,7 @@ def _fix_query_scales(state: dict, query: torch.Tensor) -> None:
             "tokens and head_dim, and query heads a multiple of the KV heads"
         )
     spec = state.pop("k_spec")
-    state["query_scales"] = query_key_scales(query_energy(query, kv_heads, spec, pads=leading_pads(first)), first, spec)
+    state["query_scales"] = query_key_scales(query_energy(query, kv_heads, spec), first, spec)
     state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), spec)
 
 

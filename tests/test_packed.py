@@ -658,23 +658,6 @@ def test_a_head_without_a_ratio_of_energies_stays_unscaled_and_finite():
     assert torch.equal(p.query_scales, torch.ones_like(p.query_scales)) and torch.equal(p.dequantize(), torch.zeros_like(x))
 
 
-def test_a_left_padded_row_stores_its_tokens_as_the_row_alone_does():
-    """``generate`` pads a batch's shorter prompts on the left with one token at one position: identical
-    keys and queries, hidden by the mask. K's offset, query scales and rounding leave them out, so the
-    row's own tokens are stored as without the padding (before, a padding past 68 tokens gave the row
-    the pad's statistics, and a shorter one mixed the two)."""
-    q, x = _mismatched_queries_and_keys(130)
-    spec, pads = KVConfig().k, 30
-    q[1, :, :pads], x[1, :, :pads] = q[1, :, :1], x[1, :, :1]
-    batch = PackedKV.from_float(x, spec, q)
-    alone = PackedKV.from_float(x[1:, :, pads:], spec, q[1:, :, pads:])
-    assert torch.equal(reference.leading_pads(x), torch.tensor([0, pads]))
-    assert torch.equal(batch.offset[1], alone.offset[0]) and torch.equal(batch.query_scales[1], alone.query_scales[0])
-    assert not torch.equal(batch.query_scales[0], alone.query_scales[0])
-    # Past the sinks (the pads' in the batch) and before the refined newest tokens: the same values.
-    torch.testing.assert_close(batch.dequantize()[1, :, pads + 4 : 110], alone.dequantize()[0, :, 4:80], rtol=0, atol=0)
-
-
 def test_no_query_or_a_short_prompt_leaves_keys_unscaled():
     q, x = _mismatched_queries_and_keys()
     plain = PackedKV.from_float(x, dataclasses.replace(QUERY_SCALED, query_scaled=False)).dequantize()
