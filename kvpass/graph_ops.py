@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from kvpass import packed
+from kvpass import packed, reference
 from kvpass.config import QuantSpec
 from kvpass.packed import PackedKV
 
@@ -26,15 +26,23 @@ def _as_packed(past: torch.Tensor, spec: QuantSpec) -> PackedKV:
     return past if isinstance(past, PackedKV) else PackedKV.from_float(past, spec)
 
 
-def kv4_pack(new: torch.Tensor, spec: str, query: torch.Tensor | None = None) -> PackedKV:
-    """The first write into an empty cache; ``query``, the queries reading it, fixes query scales."""
-    return PackedKV.from_float(new, _spec(spec), query)
+def _pads(mask: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor | None:
+    # Only a bool mask, as the twin reads only one: an additive one may carry a bias besides.
+    return reference.masked_pads(mask, new.shape[0]) if mask is not None and mask.dtype == torch.bool else None
 
 
-def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str, query: torch.Tensor | None = None) -> PackedKV:
+def kv4_pack(new: torch.Tensor, spec: str, query: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> PackedKV:
+    """The first write into an empty cache; ``query``, the queries reading it, fixes query scales, and
+    their attention ``mask`` says which slots of each row are left padding."""
+    return PackedKV.from_float(new, _spec(spec), query, _pads(mask, new))
+
+
+def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str, query: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
     """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4; ``query``, the queries
-    reading ``new``, is gathered by a cache waiting for its prefix (``QuantSpec.defer_prefix``)."""
-    return _as_packed(past, _spec(spec)).append(new, query)
+    reading ``new``, is gathered by a cache waiting for its prefix (``QuantSpec.defer_prefix``), with
+    the left padding their attention ``mask`` shows."""
+    return _as_packed(past, _spec(spec)).append(new, query, _pads(mask, new))
 
 
 def kv4_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, spec: str) -> PackedKV:

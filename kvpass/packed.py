@@ -141,14 +141,16 @@ class PackedKV(torch.Tensor):
         self._rows = rows
 
     @classmethod
-    def from_float(cls, x: torch.Tensor, spec: QuantSpec, query: torch.Tensor | None = None) -> PackedKV:
+    def from_float(cls, x: torch.Tensor, spec: QuantSpec, query: torch.Tensor | None = None,
+                   pads: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
         """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized.
-        ``query [B, Hq, S, D]``: the queries reading ``x``, which fix a ``query_scaled`` spec's scales."""
+        ``query [B, Hq, S, D]``: the queries reading ``x``, which fix a ``query_scaled`` spec's scales;
+        ``pads``: as :meth:`append` takes them."""
         if x.dim() != 4:
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
-        return _empty_like(x, spec).append(x, query)
+        return _empty_like(x, spec).append(x, query, pads)
 
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
@@ -173,12 +175,15 @@ class PackedKV(torch.Tensor):
             empty.residual, spec,
         )  # fmt: skip
 
-    def append(self, new: torch.Tensor, query: torch.Tensor | None = None) -> PackedKV:
+    def append(self, new: torch.Tensor, query: torch.Tensor | None = None, pads: torch.Tensor | None = None) -> PackedKV:
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
         [B, Hq, T, D]`` (the queries reading them) fixes a ``query_scaled`` spec's scales in a first
         append, and in every append while a ``defer_prefix`` cache waits; a ``query_rounded`` spec rounds
         the tokens an append quantizes against its queries if it brings enough of them
-        (:meth:`QuantSpec.rounds`; else to nearest)."""
+        (:meth:`QuantSpec.rounds`; else to nearest). ``pads`` (``int64 [B]``, with the queries:
+        :func:`kvpass.reference.masked_pads` of their mask) are the slots each row opens with as left
+        padding, which the statistics a first append takes with its queries (query scales, offset,
+        rounding) skip."""
         if query is not None and (query.shape[0] != new.shape[0] or query.shape[2] != new.shape[2]
                                   or query.shape[1] % new.shape[1]):  # fmt: skip
             raise ValueError(
@@ -186,21 +191,29 @@ class PackedKV(torch.Tensor):
                 "and tokens, and query heads a multiple of the KV heads"
             )
         if self._waiting:
-            return self._held_append(new, query)
+            return self._held_append(new, query, pads)
         # Only a first append takes query scales: decode steps skip the energy.
-        energy = None if query is None or not self._is_empty else reference.query_energy(query, new.shape[1], self.spec)
-        return self._quantized_append(new, energy, query)
+        energy = None
+        if query is not None and self._is_empty:
+            energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
+        return self._quantized_append(new, energy, query, pads)
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None,
-                          query: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
+                          query: torch.Tensor | None = None, pads: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
         """:meth:`append` quantizing ``new``; ``q_energy`` (:func:`kvpass.reference.query_energy`) of
-        its queries fixes a first append's query scales, and the append's ``query`` rounds a
-        ``query_rounded`` spec's codes."""
-        query_scales, new = self._query_scaled(new, q_energy)
+        its queries fixes a first append's query scales (after the ``pads`` of :meth:`append`), and the
+        append's ``query`` rounds a ``query_rounded`` spec's codes."""
+        pads = pads if self._is_empty else None  # a later append fixes no statistic
+        takes_scales = self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2])
+        query_scales = reference.query_key_scales(q_energy, new, self.spec, pads) if takes_scales else self.query_scales
+        new = reference.by_query_scales(new, query_scales, 1)
         rounding = None
         if query is not None and self.spec.rounds(query.shape[2]):
-            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate)
-        head, offset, new = self._sinks_and_offset(new)
+            # The queries are of the latest tokens (a held cache's earlier ones are gone).
+            rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate,
+                                                       pads, new.shape[2] - query.shape[2])  # fmt: skip
+        # The offset skips the pads where query scales are taken: the eager twin learns them with the queries.
+        head, offset, new = self._sinks_and_offset(new, pads if takes_scales else None)
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
@@ -214,14 +227,14 @@ class PackedKV(torch.Tensor):
         codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
-    def _held_append(self, new: torch.Tensor, query: torch.Tensor | None) -> PackedKV:
+    def _held_append(self, new: torch.Tensor, query: torch.Tensor | None, pads: torch.Tensor | None) -> PackedKV:
         """:meth:`append` while waiting: hold ``new`` unquantized, or with it reach ``spec.prefix_tokens``
         and quantize every token as one first append."""
         held = self.residual.shape[2]
         q_energy = None
         # The queries of every held token, or none: scales from some of them would be another statistic.
         if query is not None and self.spec.gathers_queries and (held == 0 or self.query_energy.shape[2]):
-            q_energy = reference.query_energy(query, new.shape[1], self.spec, held)
+            q_energy = reference.query_energy(query, new.shape[1], self.spec, held, pads)
             if held:
                 q_energy = q_energy + self.query_energy
         if self.spec.waits(held + new.shape[2]):
@@ -234,17 +247,9 @@ class PackedKV(torch.Tensor):
         tokens = torch.cat([self.dequantize(), new.to(self.dtype)], dim=2)
         # The held tokens' queries are gone (only their energy is kept): all of them are rounded
         # against this append's.
-        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy, query)
+        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy, query, pads)
 
-    def _query_scaled(self, new: torch.Tensor, q_energy: torch.Tensor | None):
-        """``(query_scales, new)``: a ``query_scaled`` spec's scales after this append (a first one
-        with its queries' energy fixes them) and the new tokens times them."""
-        query_scales = self.query_scales
-        if self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2]):
-            query_scales = reference.query_key_scales(q_energy, new, self.spec)
-        return query_scales, reference.by_query_scales(new, query_scales, 1)
-
-    def _sinks_and_offset(self, new: torch.Tensor):
+    def _sinks_and_offset(self, new: torch.Tensor, pads: torch.Tensor | None):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
         (a first append fixes them, :meth:`QuantSpec.prefix`) and the new tokens left to quantize."""
         head, offset = self.head, self.offset
@@ -252,7 +257,7 @@ class PackedKV(torch.Tensor):
             return head, offset, new
         sinks, takes_offset = self.spec.prefix(new.shape[2])
         if takes_offset:
-            offset = reference.center_offset(new, self.spec, rotator=ops.rotate)
+            offset = reference.center_offset(new, self.spec, rotator=ops.rotate, pads=pads)
         if sinks:
             first = new[:, :, :sinks]
             head = (ops.rotate(first) if self.spec.rotate else first).to(reference.sink_dtype(self.dtype))

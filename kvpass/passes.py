@@ -457,14 +457,16 @@ def _reads_only_shape(node: fx.Node) -> bool:
 
 
 def _replace_cache_write(
-    graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict, query: fx.Node | None = None
+    graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict, query: fx.Node | None = None,
+    mask: fx.Node | None = None,
 ) -> None:
     if write.node in packed_writes:
         return  # a cache several sites read (differential attention) is packed once
     shape_readers = [user for user in write.node.users if _reads_only_shape(user)]
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
-        kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {})}
+        kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {}),
+                  **({"mask": mask} if mask is not None else {})}  # fmt: skip
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:
@@ -1049,6 +1051,7 @@ def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict)
 def _rewrite_site(
     graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites,
     query: fx.Node | None = None,
+    mask: fx.Node | None = None,
 ) -> str:
     if k.reads_new and v.reads_new:
         for write, spec in ((k, config.k), (v, config.v)):
@@ -1071,7 +1074,7 @@ def _rewrite_site(
         return "static"
     k_spec, v_spec = _site_specs(k, v, config)
     for write, spec in ((k, k_spec), (v, v_spec)):
-        _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None)
+        _replace_cache_write(graph, write, spec, shared.packed, *((query, mask) if write is k else ()))
     prefill = k.past is None
     if prefill:
         # Attention over an empty past is attention over the new tokens, kept exact.
@@ -1357,7 +1360,10 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         if query is None and k_spec.query_rounded:
             # Codes rounded to nearest say so in their spec: the twin and readers go by it.
             site_config = dataclasses.replace(site_config, k=dataclasses.replace(k_spec, query_rounded=False))
-        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query)
+        # The mask comes with the query: the slots it hides from every query are left padding, which
+        # K's statistics skip. Only the SDPA form's, and only when computed before the cache write.
+        mask = attn.attn_mask if query is not None and order.get(attn.attn_mask, len(order)) < order[k.node] else None
+        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query, mask)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
     _rewrite_latent_caches(graph, config, shared, unmatched)

@@ -496,35 +496,67 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
     return q.view(B, H, S, D)
 
 
-def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None) -> torch.Tensor:
+def masked_pads(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """How many slots open each row of a cache as padding, from the attention ``mask`` of an append
+    (bool ``[B or 1, H or 1, T, S]`` over the cache's ``S`` slots, True where a query reads, as
+    transformers builds it for SDPA): ``int64 [batch]``, the run of leading slots no query reads.
+
+    ``generate`` pads a batch's shorter prompts on the left and the mask hides the pads from every
+    query. A cache's statistics (offset, query scales, the queries rounding reads) taken over them
+    would describe the pad, so they start after it.
+    The keys are no sure sign: the pads' are equal in a kv4-compiled model, but through transformers'
+    own sdpa call they differ by float noise from the second layer on."""
+    hidden = ~mask.any(-2).any(1)  # [B or 1, S]
+    return hidden.long().cumprod(-1).sum(-1).expand(batch)
+
+
+def _typical_keys(first: torch.Tensor, spec: QuantSpec, pads=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, weight)``: tokens ``CENTER_SKIP .. CENTER_SKIP + spec.prefix_tokens`` of each row of
+    ``first [B, H, T, D]`` after its ``pads`` (:func:`masked_pads`; None: none), ``fp32 [B, H, L, D]``,
+    and ``fp32 [B, 1, L, 1]``, 1 where the row holds that token (a padded row's may run past ``T``)."""
+    B, H, T, D = first.shape
+    # A slice, not a min over the length: no guard in traced graphs.
+    position = torch.arange(T, device=first.device)[CENTER_SKIP : CENTER_SKIP + spec.prefix_tokens].expand(B, -1)
+    if pads is not None:
+        position = pads[:, None] + position
+    keys = first.gather(2, position.clamp(max=T - 1)[:, None, :, None].expand(B, H, -1, D)).float()
+    return keys, (position < T).float()[:, None, :, None]
+
+
+def center_offset(first: torch.Tensor, spec: QuantSpec, rotator=None, pads=None) -> torch.Tensor:
     """The offset of a ``spec.center`` cache whose first append is ``first [B, H, T, D]``,
-    ``fp16 [B, H, 1, D]`` in the stored domain: the mean of tokens ``CENTER_SKIP ..
-    CENTER_SKIP + spec.prefix_tokens`` (fp32, then rotated), zero when there are none.
-    ``rotator`` is :func:`rotate` or an op computing the same (graphs must not trace its constant)."""
-    typical = first[:, :, CENTER_SKIP : CENTER_SKIP + spec.prefix_tokens].float()
-    # A sum over at least one count, not a branch on the length: no guard in traced graphs.
-    mean = typical.sum(2, keepdim=True) / torch.sym_max(typical.shape[2], 1)
+    ``fp16 [B, H, 1, D]`` in the stored domain: the mean of each row's tokens ``CENTER_SKIP ..
+    CENTER_SKIP + spec.prefix_tokens`` after its ``pads`` (:func:`masked_pads`) (fp32, then rotated),
+    zero when there are none. ``rotator`` is :func:`rotate` or an op computing the same (graphs must
+    not trace its constant)."""
+    keys, weight = _typical_keys(first, spec, pads)
+    mean = (keys * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp_min(1)
     return ((rotator or rotate)(mean) if spec.rotate else mean).to(SCALE_DTYPE)
 
 
-def query_energy(query: torch.Tensor, kv_heads: int, spec: QuantSpec, seen=0) -> torch.Tensor:
+def query_energy(query: torch.Tensor, kv_heads: int, spec: QuantSpec, seen=0, pads=None) -> torch.Tensor:
     """What :func:`query_key_scales` takes from ``query [B, Hq, T, D]`` (query heads grouped as GQA
-    reads ``kv_heads`` KV heads), the queries after ``seen`` earlier ones: ``fp64 [B, kv_heads, 1, D]``,
-    the sum of squares of those of the first ``CENTER_SKIP + spec.prefix_tokens`` queries over tokens and
-    each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the
-    queries add up to their sum to far below fp32's resolution, where the scales are computed, so a
-    cache can gather it over several appends."""
-    B, _, _, D = query.shape
-    first = query[:, :, : torch.sym_max(CENTER_SKIP + spec.prefix_tokens - seen, 0)]
-    return first.double().pow(2).sum(2).view(B, kv_heads, -1, D).sum(2, keepdim=True)
+    reads ``kv_heads`` KV heads), the queries of positions ``seen ..`` of the cache: ``fp64 [B,
+    kv_heads, 1, D]``, the sum of squares of those of each row's first ``CENTER_SKIP +
+    spec.prefix_tokens`` queries after its ``pads`` (:func:`masked_pads`; None: none), over tokens and
+    each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the queries add up to their sum to far below fp32's resolution, where the
+    scales are computed, so a cache can gather it over several appends."""
+    B, _, T, D = query.shape
+    window = CENTER_SKIP + spec.prefix_tokens
+    pads = query.new_zeros(B, dtype=torch.long) if pads is None else pads
+    # The row's window [pads, pads + window) of positions, as indices into this append's T queries.
+    index = torch.arange(T, device=query.device)[:window] + (pads - seen).clamp_min(0)[:, None]
+    weight = ((index < T) & (index + seen < (pads + window)[:, None])).double()[:, None, :, None]
+    first = query.gather(2, index.clamp(max=T - 1)[:, None, :, None].expand(B, query.shape[1], -1, D))
+    return (first.double().pow(2) * weight).sum(2).view(B, kv_heads, -1, D).sum(2, keepdim=True)
 
 
-def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor, spec: QuantSpec, pads=None) -> torch.Tensor:
     """The per-channel scales of a ``spec.query_scaled`` K cache whose first append is ``first
     [B, Hkv, T, D]``, read by queries of energy ``q_energy`` (:func:`query_energy`):
-    ``fp16 [B, Hkv, 1, D]``, ``(E[q_c^2] / Var[k_c]) ** (1/4)`` over tokens ``CENTER_SKIP ..
-    CENTER_SKIP + spec.prefix_tokens`` (queries from the first), scaled to a geometric mean of 1 (so
-    the energy's sum stands for its mean).
+    ``fp16 [B, Hkv, 1, D]``, ``(E[q_c^2] / Var[k_c]) ** (1/4)`` over each row's tokens
+    ``CENTER_SKIP .. CENTER_SKIP + spec.prefix_tokens`` after its ``pads`` (:func:`masked_pads`;
+    queries from the first), scaled to a geometric mean of 1 (so the energy's sum stands for its mean).
 
     A query reads a key through ``q . k``. After the rotation K's error is spread evenly over the
     channels, so ``q . e`` grows with the query's energy wherever the key's sits; storing ``k * s``
@@ -533,9 +565,13 @@ def query_key_scales(q_energy: torch.Tensor, first: torch.Tensor, spec: QuantSpe
     (rotate-half) mixes them by position, so their energy is one statistic.
     """
     D = first.shape[-1]
-    stop = CENTER_SKIP + spec.prefix_tokens
     q_energy = q_energy[:, :, 0].float()
-    k_energy = first[:, :, CENTER_SKIP:stop].float().var(2, correction=0)
+    keys, weight = _typical_keys(first, spec, pads)
+    count = weight.sum(2).clamp_min(1)
+    spread = (keys - (keys * weight).sum(2, keepdim=True) / count[..., None]) * weight
+    # A row holding its whole window takes torch's variance, as it always has; a padded one the same
+    # statistic over the tokens it holds.
+    k_energy = torch.where(weight.all(2), keys.var(2, correction=0), spread.pow(2).sum(2) / count)
     q_energy, k_energy = (e[..., : D // 2] + e[..., D // 2 :] for e in (q_energy, k_energy))
     # A channel no first token used (or no query reads) gets a bounded scale, not an infinite one.
     q_energy, k_energy = (e.clamp_min(1e-6 * e.amax(-1, keepdim=True)) for e in (q_energy, k_energy))
@@ -582,7 +618,7 @@ ROUNDING_TOKENS = 256
 
 
 def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None,
-                          spec: QuantSpec, rotator=None) -> torch.Tensor:  # fmt: skip
+                          spec: QuantSpec, rotator=None, pads=None, seen=0) -> torch.Tensor:  # fmt: skip
     """How a ``spec.query_rounded`` K append whose queries are ``query [B, Hq, T, D]`` (query heads
     grouped as GQA reads ``kv_heads`` KV heads) rounds its groups: ``int64 [B, kv_heads, D // g, g, g]``
     (``g`` the token group), ``C[..., i, j]`` the share of channel ``i``'s rounding error that channel
@@ -594,10 +630,14 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     moment ``H`` in the stored domain, damped, for the Hessian), puts the error where the append's
     queries read little, instead of spreading it evenly as rounding to nearest does. Queries whose
     second moment is not finite and positive give zero shares: rounding to nearest. ``rotator`` is
-    :func:`rotate` or an op computing the same (graphs must not trace its constant)."""
+    :func:`rotate` or an op computing the same (graphs must not trace its constant). The queries
+    are of the cache's positions ``seen ..``; those before a row's ``pads`` (:func:`masked_pads`) read
+    nothing, and are left out."""
     B, Hq, T, D = query.shape
     g = spec.token_group(D)
     q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
+    if pads is not None:
+        q = q * (torch.arange(T, device=q.device) + seen >= pads[:, None])[:, None, :, None]
     q = ((rotator or rotate)(q) if spec.rotate else q).double()
     q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
     n = q.shape[-2]

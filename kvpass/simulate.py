@@ -39,7 +39,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
-    bits_per_value, by_query_scales, center_offset, fixed_or_none, query_energy, query_key_scales, quantize,
+    bits_per_value, by_query_scales, center_offset, fixed_or_none, masked_pads, query_energy, query_key_scales, quantize,
     quantize_dequantize, rounding_coefficients,
 )  # fmt: skip
 
@@ -204,27 +204,30 @@ def _await_queries(state: dict) -> None:
         _awaiting_queries.append(state)
 
 
-def _prefix(first: torch.Tensor, spec: QuantSpec | None) -> tuple[int, torch.Tensor | None]:
-    """``(sinks, offset)`` a spec takes from a layer's first update ``first``."""
+def _prefix(first: torch.Tensor, spec: QuantSpec | None, pads=None) -> tuple[int, torch.Tensor | None]:
+    """``(sinks, offset)`` a spec takes from a layer's first update ``first`` (its rows' left ``pads``
+    skipped, where the queries came with them)."""
     sinks, takes_offset = (0, False) if spec is None else spec.prefix(first.shape[2])
-    return sinks, center_offset(first, spec) if takes_offset else None
+    return sinks, center_offset(first, spec, pads=pads) if takes_offset else None
 
 
-def _take_queries(state: dict, query: torch.Tensor) -> None:
-    """Hand a layer the queries of its latest update: kept while its K prefix waits (``queries``),
-    else they fix its query scales, and K's sinks and offset with them; and they give the shares that
-    round a query-rounded K's tokens of that update (:func:`kvpass.reference.rounding_coefficients`)."""
+def _take_queries(state: dict, query: torch.Tensor, pads: torch.Tensor | None) -> None:
+    """Hand a layer the queries of its latest update, and the left ``pads`` of its rows their mask shows
+    (:func:`kvpass.reference.masked_pads`): kept while its K prefix waits (``queries``), else they fix
+    its query scales, and K's sinks and offset with them; and they give the shares that round a
+    query-rounded K's tokens of that update (:func:`kvpass.reference.rounding_coefficients`)."""
     if "first_keys" in state:
-        _fix_query_scales(state, query)
+        _fix_query_scales(state, query, pads)
     elif "queries" in state:
         state["queries"].append(query)
     if "rounding_pending" in state:
         lo, hi = state.pop("rounding_pending")
-        rounding = rounding_coefficients(query, state["kv_heads"], state.get("query_scales"), state["rounded_spec"])
+        rounding = rounding_coefficients(query, state["kv_heads"], state.get("query_scales"), state["rounded_spec"],
+                                         pads=pads if lo == 0 else None, seen=hi - query.shape[2])  # fmt: skip
         state.setdefault("rounding", []).append((lo, hi, rounding))
 
 
-def _fix_query_scales(state: dict, query: torch.Tensor) -> None:
+def _fix_query_scales(state: dict, query: torch.Tensor, pads: torch.Tensor | None) -> None:
     """The query scales of a layer's first update (or the one that ends its wait), from ``query`` and
     the queries held before it, and K's sinks and offset with them."""
     first = state.pop("first_keys")
@@ -236,8 +239,8 @@ def _fix_query_scales(state: dict, query: torch.Tensor) -> None:
             "tokens and head_dim, and query heads a multiple of the KV heads"
         )
     spec = state.pop("k_spec")
-    state["query_scales"] = query_key_scales(query_energy(query, kv_heads, spec), first, spec)
-    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), spec)
+    state["query_scales"] = query_key_scales(query_energy(query, kv_heads, spec, pads=pads), first, spec, pads)
+    state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), spec, pads)
 
 
 def _observing(attention):
@@ -251,7 +254,9 @@ def _observing(attention):
             # The latest update's layer is this call's; an older one missed its queries, and says so.
             state = _awaiting_queries.pop()
             _awaiting_queries.clear()
-            _take_queries(state, query)
+            mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+            bool_mask = torch.is_tensor(mask) and mask.dtype == torch.bool  # as kv4_append reads masks
+            _take_queries(state, query, masked_pads(mask, query.shape[0]) if bool_mask else None)
         return attention(module, query, *args, **kwargs)
 
     observed.observes_queries = True

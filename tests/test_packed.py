@@ -658,6 +658,37 @@ def test_a_head_without_a_ratio_of_energies_stays_unscaled_and_finite():
     assert torch.equal(p.query_scales, torch.ones_like(p.query_scales)) and torch.equal(p.dequantize(), torch.zeros_like(x))
 
 
+def test_a_left_padded_row_stores_its_tokens_as_the_row_alone_does():
+    """``generate`` pads a batch's shorter prompts on the left, and the mask hides the pads. With the
+    pads the mask shows, K's offset, query scales and rounding leave them out, so the row's own tokens
+    are stored as without the padding (before, a padding past 68 tokens gave the row a pad's offset,
+    and a shorter one mixed pads into both)."""
+    q, x = _mismatched_queries_and_keys(130)
+    spec, pads = KVConfig().k, torch.tensor([0, 30])
+    batch = PackedKV.from_float(x, spec, q, pads)
+    alone = PackedKV.from_float(x[1:, :, 30:], spec, q[1:, :, 30:])
+    unpadded = PackedKV.from_float(x, spec, q)
+    assert torch.equal(batch.offset[1], alone.offset[0]) and torch.equal(batch.query_scales[1], alone.query_scales[0])
+    assert torch.equal(batch.offset[0], unpadded.offset[0]) and torch.equal(batch.query_scales[0], unpadded.query_scales[0])
+    assert not torch.equal(unpadded.offset[1], alone.offset[0])
+    # Past the sinks (the pads' in the batch) and before the refined newest tokens: the same values.
+    torch.testing.assert_close(batch.dequantize()[1, :, 34:110], alone.dequantize()[0, :, 4:80], rtol=0, atol=0)
+    # A cache that waits for its prefix gathers the same statistics over the appends that bring it there
+    # (of the held tokens as read back: equal to fp16's rounding).
+    waiting = PackedKV.from_float(x[:, :, :40], spec, q[:, :, :40], pads).append(x[:, :, 40:], q[:, :, 40:], pads)
+    assert waiting.query_scales.shape[2] == 1 and torch.equal(waiting.query_scales, batch.query_scales)
+    torch.testing.assert_close(waiting.offset, batch.offset, rtol=1e-3, atol=1e-4)
+
+
+def test_the_pads_are_the_leading_slots_a_mask_hides_from_every_query():
+    keep = torch.ones(3, 1, 5, 8, dtype=torch.bool).tril(3)  # causal over 3 earlier slots
+    keep[1, :, :, :2] = False
+    keep[2, :, :, :5] = False
+    keep[2, :, :, 3] = True  # a hidden slot after a read one is not padding
+    assert reference.masked_pads(keep, 3).tolist() == [0, 2, 3]
+    assert reference.masked_pads(keep[1:2], 4).tolist() == [2] * 4  # a mask broadcast over the batch
+
+
 def test_no_query_or_a_short_prompt_leaves_keys_unscaled():
     q, x = _mismatched_queries_and_keys()
     plain = PackedKV.from_float(x, dataclasses.replace(QUERY_SCALED, query_scaled=False)).dequantize()
