@@ -8,8 +8,8 @@ sequence B, whose prompt of ``--prompt`` tokens is followed by ``--continuation`
 and as row 1 of a batch beside a 300-token prompt A (so padded by ``300 - prompt``), positions placed
 as ``generate`` places them. B's continuation is fed ``--chunk`` tokens at a time with the cache
 carried over, and scored (mean NLL, teacher-forced). Both prompts start with the tokenizer's BOS
-where it has one (Gemma's), as ``kvpass eval``'s texts do. Prints the perplexity change of kv4 against the
-unquantized model in both settings, paired over 64-token blocks.
+where it has one (Gemma's), as ``kvpass eval``'s texts do. Prints the perplexity change of kv4
+against the unquantized model in both settings, paired over 64-token blocks.
 """
 
 from __future__ import annotations

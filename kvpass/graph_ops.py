@@ -41,8 +41,9 @@ def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str, query: torch.Te
                mask: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
     """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4; ``query``, the queries
     reading ``new``, is gathered by a cache waiting for its prefix (``QuantSpec.defer_prefix``), with
-    the left padding their attention ``mask`` shows."""
-    return _as_packed(past, _spec(spec)).append(new, query, _pads(mask, new))
+    the left padding their attention ``mask`` shows (read only where the cache takes it: not in decode)."""
+    cache = _as_packed(past, _spec(spec))
+    return cache.append(new, query, _pads(mask, new) if cache.takes_pads else None)
 
 
 def kv4_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, spec: str) -> PackedKV:

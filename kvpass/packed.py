@@ -326,6 +326,12 @@ class PackedKV(torch.Tensor):
         return self.spec.defer_prefix and self._is_empty
 
     @property
+    def takes_pads(self) -> bool:
+        """Whether :meth:`append` reads ``pads``: only a first append (or one while waiting) fixes the
+        statistics a row's left padding would skew, so a decode step need not work them out."""
+        return self._is_empty
+
+    @property
     def _is_empty(self) -> bool:
         """No token stored yet: the next append is the first, which fixes what a spec takes from it."""
         return not (self.codes.shape[2] or self.n_head)

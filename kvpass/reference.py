@@ -503,8 +503,7 @@ def masked_pads(mask: torch.Tensor, batch: int) -> torch.Tensor:
 
     ``generate`` pads a batch's shorter prompts on the left and the mask hides the pads from every
     query. A cache's statistics (offset, query scales, the queries rounding reads) taken over them
-    would describe the pad, so they start after it.
-    The keys are no sure sign: the pads' are equal in a kv4-compiled model, but through transformers'
+    would describe the pad, so they start after it. The keys are no sure sign: the pads' are equal in a kv4-compiled model, but through transformers'
     own sdpa call they differ by float noise from the second layer on."""
     hidden = ~mask.any(-2).any(1)  # [B or 1, S]
     return hidden.long().cumprod(-1).sum(-1).expand(batch)
@@ -539,8 +538,9 @@ def query_energy(query: torch.Tensor, kv_heads: int, spec: QuantSpec, seen=0, pa
     reads ``kv_heads`` KV heads), the queries of positions ``seen ..`` of the cache: ``fp64 [B,
     kv_heads, 1, D]``, the sum of squares of those of each row's first ``CENTER_SKIP +
     spec.prefix_tokens`` queries after its ``pads`` (:func:`masked_pads`; None: none), over tokens and
-    each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the queries add up to their sum to far below fp32's resolution, where the
-    scales are computed, so a cache can gather it over several appends."""
+    each KV head's query heads. In fp64 (exact squares of fp32 values) the sums of any split of the
+    queries add up to their sum to far below fp32's resolution, where the scales are computed, so a
+    cache can gather it over several appends."""
     B, _, T, D = query.shape
     window = CENTER_SKIP + spec.prefix_tokens
     pads = query.new_zeros(B, dtype=torch.long) if pads is None else pads
