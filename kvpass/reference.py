@@ -503,10 +503,72 @@ def masked_pads(mask: torch.Tensor, batch: int) -> torch.Tensor:
 
     ``generate`` pads a batch's shorter prompts on the left and the mask hides the pads from every
     query. A cache's statistics (offset, query scales, the queries rounding reads) taken over them
-    would describe the pad, so they start after it. The keys are no sure sign: the pads' are equal in a kv4-compiled model, but through transformers'
-    own sdpa call they differ by float noise from the second layer on."""
+    would describe the pad, so they start after it. The keys are no sure sign: the pads' are equal in
+    a kv4-compiled model, but through transformers' own sdpa call they differ by float noise from the
+    second layer on."""
     hidden = ~mask.any(-2).any(1)  # [B or 1, S]
     return hidden.long().cumprod(-1).sum(-1).expand(batch)
+
+
+# A left-padded row's first tokens are stored ahead of its padding, so the cache's first slots (K's
+# fp sinks) hold the row's own first tokens, not pads: every query of the row reads them. At least
+# the default spec's sinks; a row holding fewer tokens than this after its pads stays in order.
+PADDED_LEAD = 8
+
+
+def moved_pads(pads: torch.Tensor, length: int) -> torch.Tensor:
+    """The padding each row of a first append of ``length`` slots stores behind its first
+    ``PADDED_LEAD`` tokens (:func:`stored_slots`): ``int64 [B, 1]``, its ``pads`` (:func:`masked_pads`)
+    where it holds that many tokens after them, else 0."""
+    return torch.where(length - pads >= PADDED_LEAD, pads, 0)[:, None]
+
+
+def stored_slots(moved: torch.Tensor, length: int) -> torch.Tensor:
+    """Which of a row's slots each stored slot holds, ``int64 [B, length]``: a row with ``moved`` pads
+    (:func:`moved_pads`; ``[B, 0]``: none moved) stores its first ``PADDED_LEAD`` tokens, then its
+    pads, then the rest in order. Only slots a first append wrote move, so appends keep their order."""
+    slot = torch.arange(length, device=moved.device)
+    lead = torch.where(slot < PADDED_LEAD + moved, slot - PADDED_LEAD, slot)
+    return torch.where(slot < PADDED_LEAD, slot + moved, lead)
+
+
+def logical_slots(moved: torch.Tensor, length: int) -> torch.Tensor:
+    """Where each of a row's slots is stored, ``int64 [B, length]``: the inverse of :func:`stored_slots`."""
+    slot = torch.arange(length, device=moved.device)
+    lead = torch.where(slot < PADDED_LEAD + moved, slot - moved, slot)
+    return torch.where(slot < moved, slot + PADDED_LEAD, lead)
+
+
+def _slots_taken(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    B, H, _, D = x.shape
+    return x.gather(2, slots[:, None, :, None].expand(B, H, -1, D))
+
+
+def in_stored_order(x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """A first append's tokens ``x [B, H, T, D]`` in the order a cache stores them (:func:`stored_slots`);
+    ``x`` itself where no row moved (``moved [B, 0]``)."""
+    return _slots_taken(x, stored_slots(moved, x.shape[2])) if moved.shape[1] else x
+
+
+def in_logical_order(x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    """A cache's tokens ``x [B, H, S, D]`` as stored, back in their rows' order (:func:`in_stored_order`'s inverse)."""
+    return _slots_taken(x, logical_slots(moved, x.shape[2])) if moved.shape[1] else x
+
+
+def mask_in_stored_order(mask: torch.Tensor | None, moved: torch.Tensor, queries: int, keys: int,
+                         is_causal: bool) -> torch.Tensor:  # fmt: skip
+    """An attention mask over ``keys`` slots (as SDPA takes it, ``None`` with ``is_causal`` meaning its
+    top-left causal mask) with its columns in the order of a cache whose rows moved their pads
+    (:func:`stored_slots`), for a read without ``is_causal``: ``[B, H or 1, queries, keys]``."""
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=moved.device).tril() if is_causal else None
+    if mask is None:
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=moved.device) if causal is None else causal
+    elif causal is not None:
+        mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+    B = moved.shape[0]
+    mask = mask.expand(B, *mask.shape[-3:]) if mask.dim() >= 3 else mask.expand(B, 1, queries, keys)
+    slots = stored_slots(moved, keys)[:, None, None, :].expand(B, *mask.shape[1:3], keys)
+    return mask.gather(-1, slots)
 
 
 def _typical_keys(first: torch.Tensor, spec: QuantSpec, pads=None) -> tuple[torch.Tensor, torch.Tensor]:
