@@ -32,20 +32,20 @@ def _pads(mask: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor | None:
 
 
 def kv4_pack(new: torch.Tensor, spec: str, query: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-             moves_pads: bool = False) -> PackedKV:  # fmt: skip
+             fills_pads: bool = False) -> PackedKV:  # fmt: skip
     """The first write into an empty cache; ``query``, the queries reading it, fixes query scales, and
-    their attention ``mask`` says which slots of each row are left padding (which ``moves_pads`` stores
-    behind the row's first tokens: ``PackedKV.moved_pads``)."""
-    return PackedKV.from_float(new, _spec(spec), query, _pads(mask, new), moves_pads)
+    their attention ``mask`` says which slots of each row are left padding (whose first slots
+    ``fills_pads`` fills with copies of the row's first tokens: ``PackedKV.filled_pads``)."""
+    return PackedKV.from_float(new, _spec(spec), query, _pads(mask, new), fills_pads)
 
 
 def kv4_append(past: torch.Tensor, new: torch.Tensor, spec: str, query: torch.Tensor | None = None,
-               mask: torch.Tensor | None = None, moves_pads: bool = False) -> PackedKV:  # fmt: skip
+               mask: torch.Tensor | None = None, fills_pads: bool = False) -> PackedKV:  # fmt: skip
     """``torch.cat([past, new], dim=-2)`` where ``past`` is (or becomes) int4; ``query``, the queries
     reading ``new``, is gathered by a cache waiting for its prefix (``QuantSpec.defer_prefix``), with
     the left padding their attention ``mask`` shows (read only where the cache takes it: not in decode)."""
     cache = _as_packed(past, _spec(spec))
-    return cache.append(new, query, _pads(mask, new) if cache.takes_pads else None, moves_pads)
+    return cache.append(new, query, _pads(mask, new) if cache.takes_pads else None, fills_pads)
 
 
 def kv4_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, spec: str) -> PackedKV:

@@ -72,11 +72,13 @@ class PackedKV(torch.Tensor):
     * ``query_energy`` (``spec.defer_prefix`` with ``spec.query_scaled`` only, else None): ``fp64
       [B, H, 1, D]`` while the cache waits (below), the energy of the queries of the tokens it holds
       (:func:`kvpass.reference.query_energy`), else ``[B, H, 0, D]``;
-    * ``moved_pads``: ``int64 [B, 1]`` where a first append knew its rows' left padding and was told
-      to move it (``moves_pads``), else ``[B, 0]``: the pads each row stores behind its first
-      ``PADDED_LEAD`` tokens (:func:`kvpass.reference.moved_pads`), so the sinks ``head`` hold the
-      row's own first tokens; the attention reads the mask's columns in that order
-      (:func:`kvpass.reference.stored_slots`), and the logical tensor puts them back.
+    * ``filled_pads``: ``int64 [B, 2]`` where a first append knew its rows' left padding and was told
+      to fill it (``fills_pads``), else ``[B, 0]``: each row's pads whose first slots hold copies of
+      its first tokens, and how many such copies the cache still holds
+      (:func:`kvpass.reference.filled_pads`, :func:`kvpass.reference.filled_slots`), so the sinks
+      ``head`` are the row's own first tokens; the attention reads a copy for its token and hides the
+      token's own slot (:func:`kvpass.reference.mask_with_filled_pads`), as does the logical tensor
+      (:func:`kvpass.reference.as_read`: the filled pads read as their copies).
 
     **Waiting** (``spec.defer_prefix``): until a cache holds ``spec.prefix_tokens`` tokens it quantizes
     none of them; they sit in ``residual`` (stored domain, as the kernels read it) and every other
@@ -84,7 +86,7 @@ class PackedKV(torch.Tensor):
     read back) as :meth:`from_float` quantizes one first append, with all their queries.
 
     All of them but ``query_scales`` live in the stored domain (Hadamard-rotated along D when ``spec.rotate``).
-    Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them (``moved_pads``
+    Dimensions 0 (batch) and 2 (tokens or token groups) mean the same in all of them (``filled_pads``
     has no tokens), which is what every op below slices, indexes and concatenates.
     Build one with :meth:`from_float`.
 
@@ -109,12 +111,12 @@ class PackedKV(torch.Tensor):
     offset: torch.Tensor | None
     query_scales: torch.Tensor | None
     query_energy: torch.Tensor | None
-    moved_pads: torch.Tensor
+    filled_pads: torch.Tensor
     _rows: _WrittenRows | None  # set when codes/scales are growable storages
 
     @staticmethod
     def __new__(cls, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
-                query_scales=None, query_energy=None, moved_pads=None):
+                query_scales=None, query_energy=None, filled_pads=None):
         if shape is None:
             B, H, S_q, _ = codes.shape
             n_head = 0 if head is None else head.shape[2]
@@ -124,7 +126,7 @@ class PackedKV(torch.Tensor):
         )
 
     def __init__(self, codes, scales, residual, spec, shape=None, rows=None, fine=None, head=None, offset=None,
-                 query_scales=None, query_energy=None, moved_pads=None):
+                 query_scales=None, query_energy=None, filled_pads=None):
         if (fine is not None) != bool(spec.refine):
             raise ValueError(f"a spec with refine={spec.refine} needs {'a' if spec.refine else 'no'} second code plane")
         if (head is not None) != bool(spec.sinks):
@@ -144,21 +146,21 @@ class PackedKV(torch.Tensor):
         self.offset = offset
         self.query_scales = query_scales
         self.query_energy = query_energy
-        # None: no row moved its pads (what every cache but a padded batch's first append builds).
-        self.moved_pads = codes.new_zeros((codes.shape[0], 0), dtype=torch.long) if moved_pads is None else moved_pads
+        # None: no row fills its pads (what every cache but a padded batch's first append builds).
+        self.filled_pads = codes.new_zeros((codes.shape[0], 0), dtype=torch.long) if filled_pads is None else filled_pads
         self._rows = rows
 
     @classmethod
     def from_float(cls, x: torch.Tensor, spec: QuantSpec, query: torch.Tensor | None = None,
-                   pads: torch.Tensor | None = None, moves_pads: bool = False) -> PackedKV:  # fmt: skip
+                   pads: torch.Tensor | None = None, fills_pads: bool = False) -> PackedKV:  # fmt: skip
         """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized.
         ``query [B, Hq, S, D]``: the queries reading ``x``, which fix a ``query_scaled`` spec's scales;
-        ``pads`` and ``moves_pads``: as :meth:`append` takes them."""
+        ``pads`` and ``fills_pads``: as :meth:`append` takes them."""
         if x.dim() != 4:
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
-        return _empty_like(x, spec).append(x, query, pads, moves_pads)
+        return _empty_like(x, spec).append(x, query, pads, fills_pads)
 
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
@@ -184,7 +186,7 @@ class PackedKV(torch.Tensor):
         )  # fmt: skip
 
     def append(self, new: torch.Tensor, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,
-               moves_pads: bool = False) -> PackedKV:  # fmt: skip
+               fills_pads: bool = False) -> PackedKV:  # fmt: skip
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
         [B, Hq, T, D]`` (the queries reading them) fixes a ``query_scaled`` spec's scales in a first
         append, and in every append while a ``defer_prefix`` cache waits; a ``query_rounded`` spec rounds
@@ -192,11 +194,12 @@ class PackedKV(torch.Tensor):
         (:meth:`QuantSpec.rounds`; else to nearest). ``pads`` (``int64 [B]``, with the queries:
         :func:`kvpass.reference.masked_pads` of their mask) are the slots each row opens with as left
         padding, which the statistics a first append takes with its queries (query scales, offset,
-        rounding) skip. With ``moves_pads`` a first append also stores each row's pads behind its first
-        tokens (``moved_pads``); a cache's K and V must be told alike, as attention reads them slot by slot."""
-        if moves_pads and (self.spec.scheme != "token" or self.spec.window):
+        rounding) skip. With ``fills_pads`` a first append also copies each padded row's first tokens into
+        its first pad slots (``filled_pads``); a cache's K and V must be told alike, as attention reads
+        them slot by slot."""
+        if fills_pads and (self.spec.scheme != "token" or self.spec.window):
             raise ValueError(
-                f"{self.spec.tag} cannot move a row's pads: only per-token groups without an fp window store "
+                f"{self.spec.tag} cannot fill a row's pads: only per-token groups without an fp window store "
                 "each token on its own"
             )
         if query is not None and (query.shape[0] != new.shape[0] or query.shape[2] != new.shape[2]
@@ -207,22 +210,22 @@ class PackedKV(torch.Tensor):
             )
         # The first append (a waiting cache's first held one) fixes the order for good.
         first = self._is_empty and not self.residual.shape[2]
-        moved = reference.moved_pads(pads, new.shape[2]) if first and moves_pads and pads is not None else self.moved_pads
+        filled = reference.filled_pads(pads, new.shape[2]) if first and fills_pads and pads is not None else self.filled_pads
         if self._waiting:
-            return self._held_append(new, query, pads, moved)
+            return self._held_append(new, query, pads, filled)
         # Only a first append takes query scales: decode steps skip the energy.
         energy = None
         if query is not None and self._is_empty:
             energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
-        return self._quantized_append(new, energy, query, pads, moved)
+        return self._quantized_append(new, energy, query, pads, filled)
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None, query: torch.Tensor | None = None,
-                          pads: torch.Tensor | None = None, moved: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
+                          pads: torch.Tensor | None = None, filled: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
         """:meth:`append` quantizing ``new``; ``q_energy`` (:func:`kvpass.reference.query_energy`) of
         its queries fixes a first append's query scales (after the ``pads`` of :meth:`append`), and the
         append's ``query`` rounds a ``query_rounded`` spec's codes. A first append stores its rows'
-        tokens with ``moved`` pads (``moved_pads``) behind their first ones."""
-        moved = moved if self._is_empty and moved is not None else self.moved_pads
+        tokens with their pads ``filled`` (``filled_pads``)."""
+        filled = filled if self._is_empty and filled is not None else self.filled_pads
         pads = pads if self._is_empty else None  # a later append fixes no statistic
         takes_scales = self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2])
         query_scales = reference.query_key_scales(q_energy, new, self.spec, pads) if takes_scales else self.query_scales
@@ -233,13 +236,13 @@ class PackedKV(torch.Tensor):
             rounding = reference.rounding_coefficients(query, new.shape[1], query_scales, self.spec, ops.rotate,
                                                        pads, new.shape[2] - query.shape[2])  # fmt: skip
         # The offset skips the pads where query scales are taken: the eager twin learns them with the queries.
-        head, offset, new = self._sinks_and_offset(new, pads if takes_scales else None, moved)
+        head, offset, new = self._sinks_and_offset(new, pads if takes_scales else None, filled)
         if self.spec.refine:
-            return self._refined_append(new, head, offset, query_scales, rounding, moved)
+            return self._refined_append(new, head, offset, query_scales, rounding, filled)
         if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
             return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales,
-                                  moved_pads=moved)  # fmt: skip
+                                  filled_pads=filled)  # fmt: skip
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
@@ -249,10 +252,9 @@ class PackedKV(torch.Tensor):
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
     def _held_append(self, new: torch.Tensor, query: torch.Tensor | None, pads: torch.Tensor | None,
-                     moved: torch.Tensor) -> PackedKV:  # fmt: skip
-        """:meth:`append` while waiting: hold ``new`` unquantized (a first append's rows with ``moved``
-        pads behind their first tokens), or with it reach ``spec.prefix_tokens`` and quantize every token
-        as one first append."""
+                     filled: torch.Tensor) -> PackedKV:  # fmt: skip
+        """:meth:`append` while waiting: hold ``new`` unquantized (a first append's rows with their pads
+        ``filled``), or with it reach ``spec.prefix_tokens`` and quantize every token as one first append."""
         held = self.residual.shape[2]
         q_energy = None
         # The queries of every held token, or none: scales from some of them would be another statistic.
@@ -262,36 +264,36 @@ class PackedKV(torch.Tensor):
                 q_energy = q_energy + self.query_energy
         if self.spec.waits(held + new.shape[2]):
             stored = ops.rotate(new) if self.spec.rotate else new
-            stored = reference.in_stored_order(stored, moved) if held == 0 else stored
+            stored = reference.with_pads_filled(stored, filled) if held == 0 else stored
             residual = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
             parts = self._parts()
-            parts["moved_pads"] = moved
+            parts["filled_pads"] = filled
             if self.spec.gathers_queries:
                 parts["query_energy"] = self._no_energy if q_energy is None else q_energy
             return PackedKV(self.codes, self.scales, residual, self.spec, **parts)
         tokens = torch.cat([self.dequantize(), new.to(self.dtype)], dim=2)
         # The held tokens' queries are gone (only their energy is kept): all of them are rounded
         # against this append's.
-        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy, query, pads, moved)
+        return _empty_like(tokens, self.spec)._quantized_append(tokens, q_energy, query, pads, filled)
 
-    def _sinks_and_offset(self, new: torch.Tensor, pads: torch.Tensor | None, moved: torch.Tensor):
+    def _sinks_and_offset(self, new: torch.Tensor, pads: torch.Tensor | None, filled: torch.Tensor):
         """``(head, offset, rest)``: the fp sinks and a centered spec's offset after this append
-        (a first append fixes them, :meth:`QuantSpec.prefix`, the offset over its rows' own order, the
-        sinks after their ``moved`` pads move) and the new tokens left to quantize."""
+        (a first append fixes them, :meth:`QuantSpec.prefix`: the offset from its rows' own tokens, the
+        sinks once their pads are ``filled``) and the new tokens left to quantize."""
         head, offset = self.head, self.offset
         if not self._is_empty:
             return head, offset, new
         sinks, takes_offset = self.spec.prefix(new.shape[2])
         if takes_offset:
             offset = reference.center_offset(new, self.spec, rotator=ops.rotate, pads=pads)
-        new = reference.in_stored_order(new, moved)
+        new = reference.with_pads_filled(new, filled)
         if sinks:
             first = new[:, :, :sinks]
             head = (ops.rotate(first) if self.spec.rotate else first).to(reference.sink_dtype(self.dtype))
             new = new[:, :, sinks:]
         return head, offset, new
 
-    def _refined_append(self, new: torch.Tensor, head, offset, query_scales, rounding=None, moved=None) -> PackedKV:
+    def _refined_append(self, new: torch.Tensor, head, offset, query_scales, rounding=None, filled=None) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
@@ -310,7 +312,7 @@ class PackedKV(torch.Tensor):
         planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
         drop = torch.sym_max(planes[0].shape[0] - n_fine, 0)
         fine = tuple(plane[drop:].movedim(0, 2) for plane in planes)
-        return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, moved)
+        return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, filled)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
@@ -318,14 +320,14 @@ class PackedKV(torch.Tensor):
         return self
 
     def _extended(self, codes, scales, residual, fine=None, head=None, offset=None, query_scales=None,
-                  moved_pads=None) -> PackedKV:  # fmt: skip
+                  filled_pads=None) -> PackedKV:  # fmt: skip
         """This cache's ``codes``/``scales`` followed by these rows, with ``residual`` as the new tail
-        (and ``fine``, ``head``, ``offset``, ``query_scales`` and ``moved_pads`` as the new second code
-        plane, sinks, offset, query scales and moved pads; None: this cache's moved pads); a cache with
+        (and ``fine``, ``head``, ``offset``, ``query_scales`` and ``filled_pads`` as the new second code
+        plane, sinks, offset, query scales and filled pads; None: this cache's filled pads); a cache with
         quantized tokens waits for nothing, so holds no query energy."""
-        moved_pads = self.moved_pads if moved_pads is None else moved_pads
+        filled_pads = self.filled_pads if filled_pads is None else filled_pads
         parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales, query_energy=self._no_energy,
-                     moved_pads=moved_pads)  # fmt: skip
+                     filled_pads=filled_pads)  # fmt: skip
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
             return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
@@ -344,7 +346,7 @@ class PackedKV(torch.Tensor):
             self.codes, self.scales, self.residual, *ops.spec_args(self.spec),
             self.fine_codes, self.fine_scales, self.head, self.offset,
         )  # fmt: skip
-        return reference.by_query_scales(reference.in_logical_order(stored, self.moved_pads), self.query_scales, -1)
+        return reference.by_query_scales(reference.as_read(stored, self.filled_pads), self.query_scales, -1)
 
     @property
     def _no_energy(self) -> torch.Tensor | None:
@@ -375,7 +377,7 @@ class PackedKV(torch.Tensor):
     def _parts(self) -> dict:
         """The optional inner tensors, as the constructor takes them."""
         return dict(fine=self._fine_planes() or None, head=self.head, offset=self.offset, query_scales=self.query_scales,
-                    query_energy=self.query_energy, moved_pads=self.moved_pads)  # fmt: skip
+                    query_energy=self.query_energy, filled_pads=self.filled_pads)  # fmt: skip
 
     def _fine_planes(self) -> tuple[torch.Tensor, ...]:
         """``(fine_codes, fine_scales)``, or ``()`` without a refined spec."""
@@ -411,7 +413,7 @@ class PackedKV(torch.Tensor):
             f"{'' if self.head is None else f', first {self.n_head} fp'}{'' if self.offset is None else ', centered'}"
             f"{'' if self.query_scales is None else ', query-scaled'}"
             f"{f', rounded against the queries of appends of {self.spec.query_rounded}+ tokens' if self.spec.query_rounded else ''}"
-            f"{', left padding moved behind the first tokens' if self.moved_pads.shape[1] else ''}"
+            f"{', left padding filled with the first tokens' if self.filled_pads.shape[1] else ''}"
             f"{', waiting for its prefix' if self._waiting else ''})"
         )
 
@@ -422,14 +424,14 @@ class PackedKV(torch.Tensor):
         optional = (["fine_codes", "fine_scales"] if spec.refine else []) + (["head"] if spec.sinks else [])
         optional += (["offset"] if spec.center else []) + (["query_scales"] if spec.query_scaled else [])
         optional += ["query_energy"] if spec.gathers_queries else []
-        return ["codes", "scales", "residual", *optional, "moved_pads"], spec
+        return ["codes", "scales", "residual", *optional, "filled_pads"], spec
 
     @staticmethod
     def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
         fine = (inner["fine_codes"], inner["fine_scales"]) if spec.refine else None
         return PackedKV(inner["codes"], inner["scales"], inner["residual"], spec, outer_size, fine=fine,
                         head=inner.get("head"), offset=inner.get("offset"), query_scales=inner.get("query_scales"),
-                        query_energy=inner.get("query_energy"), moved_pads=inner["moved_pads"])  # fmt: skip
+                        query_energy=inner.get("query_energy"), filled_pads=inner["filled_pads"])  # fmt: skip
 
     def __reduce_ex__(self, protocol):
         # contiguous(): a growable cache's views would otherwise save their spare rows too.
@@ -585,7 +587,7 @@ def _map_inner(t: PackedKV, fn) -> PackedKV:
     head, offset, query_scales, query_energy = (None if x is None else fn(x)
                                                 for x in (t.head, t.offset, t.query_scales, t.query_energy))  # fmt: skip
     return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset,
-                    query_scales=query_scales, query_energy=query_energy, moved_pads=fn(t.moved_pads))  # fmt: skip
+                    query_scales=query_scales, query_energy=query_energy, filled_pads=fn(t.filled_pads))  # fmt: skip
 
 
 def _head_len(head: torch.Tensor | None) -> int:
@@ -714,8 +716,8 @@ def _slice_impl(func, args, kwargs):
     if not _seq_dim(dim):
         return NotImplemented
     start, end = (_slice_bound(bound, t.shape[2], default) for bound, default in ((start, 0), (end, t.shape[2])))
-    if t.moved_pads.shape[1] and not _keeps_moved_slots(t, start, end):
-        return NotImplemented  # the fallback slices the tokens in their rows' order
+    if start == 0 and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
+        return NotImplemented  # the fallback crops the tokens as read
     if start == 0:
         return _crop(t, end)
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
@@ -723,12 +725,13 @@ def _slice_impl(func, args, kwargs):
     return NotImplemented
 
 
-def _keeps_moved_slots(t: PackedKV, start, end) -> bool:
-    """Whether tokens ``[start, end)`` of a cache whose rows moved their pads are a slice of it as
-    stored: a crop keeping every moved slot. Reads the pads (a host sync): crops run outside graphs."""
-    if start != 0 or type(t.moved_pads) is not torch.Tensor:  # traced: its values are not known
+def _keeps_filled_slots(t: PackedKV, end) -> bool:
+    """Whether a crop to ``end`` tokens of a cache whose rows fill their pads keeps every copied token
+    (else a later append's tokens would take those slots, and read as the copies). Reads the pads (a
+    host sync): crops run outside graphs."""
+    if type(t.filled_pads) is not torch.Tensor:  # traced: its values are not known
         return False
-    return end >= reference.PADDED_LEAD + int(t.moved_pads.max())
+    return end >= int(t.filled_pads.sum(1).max())
 
 
 def _slice_bound(bound, length, default):
@@ -751,7 +754,7 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     return PackedKV(
         t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
         t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
-        query_scales=t.query_scales, query_energy=t.query_energy, moved_pads=t.moved_pads,
+        query_scales=t.query_scales, query_energy=t.query_energy, filled_pads=reference.evicted_fill(t.filled_pads, start),
     )  # fmt: skip
 
 
@@ -827,14 +830,14 @@ def attention(
     """
     if reference.fixed_or_none(v.query_scales) is not None:
         raise ValueError(f"V ({v.spec.tag}) holds query scales: attention reads V as stored; store it unscaled")
-    if k.moved_pads.shape[1] != v.moved_pads.shape[1]:
-        raise ValueError("K and V moved their rows' pads differently: attention reads them slot by slot; "
-                         "append both with the same moves_pads")  # fmt: skip
+    if k.filled_pads.shape[1] != v.filled_pads.shape[1]:
+        raise ValueError("K and V filled their rows' pads differently: attention reads them slot by slot; "
+                         "append both with the same fills_pads")  # fmt: skip
     if k_new is None:
         k_new, v_new = k.residual[:, :, :0], v.residual[:, :, :0]
-    if k.moved_pads.shape[1]:  # the stored slots' order, which the mask's columns follow
+    if k.filled_pads.shape[1]:  # copies read as their tokens, whose own slots are hidden
         keys = k.shape[2] + k_new.shape[2]
-        attn_mask = reference.mask_in_stored_order(attn_mask, k.moved_pads, q.shape[2], keys, is_causal)
+        attn_mask = reference.mask_with_filled_pads(attn_mask, k.filled_pads, q.shape[2], keys, is_causal)
         is_causal = False
     # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
     q, k_new = reference.by_query_scales(q, k.query_scales, -1), reference.by_query_scales(k_new, k.query_scales, 1)
@@ -932,7 +935,7 @@ def _fallback(func, args, kwargs):
             target.codes, target.scales, target.residual = updated.codes, updated.scales, updated.residual
             target.fine_codes, target.fine_scales, target._rows = updated.fine_codes, updated.fine_scales, updated._rows
             target.head, target.offset, target.query_scales = updated.head, updated.offset, updated.query_scales
-            target.query_energy, target.moved_pads = updated.query_energy, updated.moved_pads
+            target.query_energy, target.filled_pads = updated.query_energy, updated.filled_pads
             if result is plain_args[i]:
                 result = target
     return result

@@ -458,7 +458,7 @@ def _reads_only_shape(node: fx.Node) -> bool:
 
 def _replace_cache_write(
     graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, packed_writes: dict, query: fx.Node | None = None,
-    mask: fx.Node | None = None, moves_pads: bool = False,
+    mask: fx.Node | None = None, fills_pads: bool = False,
 ) -> None:
     if write.node in packed_writes:
         return  # a cache several sites read (differential attention) is packed once
@@ -466,7 +466,7 @@ def _replace_cache_write(
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
         kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {}),
-                  **({"mask": mask} if mask is not None else {}), **({"moves_pads": True} if moves_pads else {})}  # fmt: skip
+                  **({"mask": mask} if mask is not None else {}), **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:
@@ -873,12 +873,11 @@ def _match_cache(attn: _Attention, config: KVConfig) -> tuple[_CacheWrite, _Cach
     return k, v
 
 
-def _moves_pads(k: _CacheWrite, v: _CacheWrite, specs: tuple[QuantSpec, QuantSpec]) -> bool:
-    """Whether a site's first append stores each left-padded row's first tokens ahead of its pads
-    (``PackedKV.moved_pads``), so K's sinks are the row's own: where both caches store every token
-    on its own and keep them (a sliding window's eviction drops the oldest slots as stored)."""
-    token_order = all(spec.scheme == "token" and not spec.window for spec in specs)
-    return token_order and not (k.evictions or v.evictions)
+def _fills_pads(specs: tuple[QuantSpec, QuantSpec]) -> bool:
+    """Whether a site's first append copies each left-padded row's first tokens into its first pad
+    slots (``PackedKV.filled_pads``), so K's sinks are the row's own: where both caches store every
+    token on its own (a per-channel group or an fp window would mix the copies with their neighbours)."""
+    return all(spec.scheme == "token" and not spec.window for spec in specs)
 
 
 def _site_specs(k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> tuple[QuantSpec, QuantSpec]:
@@ -1060,7 +1059,7 @@ def _rewrite_site(
     graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites,
     query: fx.Node | None = None,
     mask: fx.Node | None = None,
-    moves_pads: bool = False,
+    fills_pads: bool = False,
 ) -> str:
     if k.reads_new and v.reads_new:
         for write, spec in ((k, config.k), (v, config.v)):
@@ -1083,9 +1082,9 @@ def _rewrite_site(
         return "static"
     k_spec, v_spec = _site_specs(k, v, config)
     for write, spec in ((k, k_spec), (v, v_spec)):
-        # V moves its rows' pads as K does (it needs the mask for that alone), or neither does.
-        mask_read = mask if write is k or moves_pads else None
-        _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None, mask_read, moves_pads)
+        # V fills its rows' pads as K does (it needs the mask for that alone), or neither does.
+        mask_read = mask if write is k or fills_pads else None
+        _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None, mask_read, fills_pads)
     prefill = k.past is None
     if prefill:
         # Attention over an empty past is attention over the new tokens, kept exact.
@@ -1374,8 +1373,8 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         # The mask comes with the query: the slots it hides from every query are left padding, which
         # K's statistics skip. Only the SDPA form's, and only when computed before the cache write.
         mask = attn.attn_mask if query is not None and order.get(attn.attn_mask, len(order)) < order[k.node] else None
-        moves_pads = mask is not None and order[mask] < order[v.node] and _moves_pads(k, v, _site_specs(k, v, site_config))
-        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query, mask, moves_pads)
+        fills_pads = mask is not None and order[mask] < order[v.node] and _fills_pads(_site_specs(k, v, site_config))
+        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query, mask, fills_pads)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
     _rewrite_latent_caches(graph, config, shared, unmatched)

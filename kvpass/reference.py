@@ -510,33 +510,40 @@ def masked_pads(mask: torch.Tensor, batch: int) -> torch.Tensor:
     return hidden.long().cumprod(-1).sum(-1).expand(batch)
 
 
-# A left-padded row's first tokens are stored ahead of its padding, so the cache's first slots (K's
-# fp sinks) hold the row's own first tokens, not pads: every query of the row reads them. At least
-# the default spec's sinks; a row holding fewer tokens than this after its pads stays in order.
-PADDED_LEAD = 8
+# A left-padded row's first tokens are copied into its first pad slots, which no query reads, so a
+# cache's first slots (K's fp sinks) hold the row's own first tokens: every query of the row reads
+# them. The default spec's sinks; a row with fewer pads, or fewer tokens after them, keeps its pads.
+PAD_FILL = 4
 
 
-def moved_pads(pads: torch.Tensor, length: int) -> torch.Tensor:
-    """The padding each row of a first append of ``length`` slots stores behind its first
-    ``PADDED_LEAD`` tokens (:func:`stored_slots`): ``int64 [B, 1]``, its ``pads`` (:func:`masked_pads`)
-    where it holds that many tokens after them, else 0."""
-    return torch.where(length - pads >= PADDED_LEAD, pads, 0)[:, None]
+def filled_pads(pads: torch.Tensor, length: int) -> torch.Tensor:
+    """How a first append of ``length`` slots whose rows open with ``pads`` (:func:`masked_pads`) fills
+    them: ``int64 [B, 2]``, each row's pads where it has ``PAD_FILL`` of them and as many tokens after,
+    else 0 (nothing copied), and the ``PAD_FILL`` slots its first tokens are copied into
+    (:func:`filled_slots`)."""
+    fills = (pads >= PAD_FILL) & (length - pads >= PAD_FILL)
+    return torch.stack([torch.where(fills, pads, 0), torch.full_like(pads, PAD_FILL)], 1)
 
 
-def stored_slots(moved: torch.Tensor, length: int) -> torch.Tensor:
-    """Which of a row's slots each stored slot holds, ``int64 [B, length]``: a row with ``moved`` pads
-    (:func:`moved_pads`; ``[B, 0]``: none moved) stores its first ``PADDED_LEAD`` tokens, then its
-    pads, then the rest in order. Only slots a first append wrote move, so appends keep their order."""
-    slot = torch.arange(length, device=moved.device)
-    lead = torch.where(slot < PADDED_LEAD + moved, slot - PADDED_LEAD, slot)
-    return torch.where(slot < PADDED_LEAD, slot + moved, lead)
+def evicted_fill(filled: torch.Tensor, evicted) -> torch.Tensor:
+    """``filled`` (:func:`filled_pads`) after a sliding window drops a cache's oldest ``evicted`` slots:
+    the row keeps its pads' count (they shift as its tokens do), the copies in the dropped slots go."""
+    return torch.stack([filled[:, 0], (filled[:, 1] - evicted).clamp(min=0)], 1) if filled.shape[1] else filled
 
 
-def logical_slots(moved: torch.Tensor, length: int) -> torch.Tensor:
-    """Where each of a row's slots is stored, ``int64 [B, length]``: the inverse of :func:`stored_slots`."""
-    slot = torch.arange(length, device=moved.device)
-    lead = torch.where(slot < PADDED_LEAD + moved, slot - moved, slot)
-    return torch.where(slot < moved, slot + PADDED_LEAD, lead)
+def filled_slots(filled: torch.Tensor, length: int) -> torch.Tensor:
+    """Which of a row's slots each stored slot holds, ``int64 [B, length]``: with ``filled`` pads
+    ``(p, n)`` (:func:`filled_pads`), slots ``i < n`` hold copies of the row's tokens ``p + i``
+    (its first, behind its pads), every other slot its own token."""
+    slot = torch.arange(length, device=filled.device)
+    return torch.where(slot < filled[:, 1:], slot + filled[:, :1], slot)
+
+
+def _read_slots(filled: torch.Tensor, length: int) -> torch.Tensor:
+    # A copied token reads from its copy; the pad slots holding the copies read them as well.
+    slot = torch.arange(length, device=filled.device)
+    copied = (slot >= filled[:, :1]) & (slot < filled[:, :1] + filled[:, 1:])
+    return torch.where(copied, slot - filled[:, :1], slot)
 
 
 def _slots_taken(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -544,31 +551,39 @@ def _slots_taken(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.gather(2, slots[:, None, :, None].expand(B, H, -1, D))
 
 
-def in_stored_order(x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """A first append's tokens ``x [B, H, T, D]`` in the order a cache stores them (:func:`stored_slots`);
-    ``x`` itself where no row moved (``moved [B, 0]``)."""
-    return _slots_taken(x, stored_slots(moved, x.shape[2])) if moved.shape[1] else x
+def with_pads_filled(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """Tokens ``x [B, H, T, D]`` as a cache stores them (:func:`filled_slots`); ``x`` itself where no
+    row fills its pads (``filled [B, 0]``)."""
+    return _slots_taken(x, filled_slots(filled, x.shape[2])) if filled.shape[1] else x
 
 
-def in_logical_order(x: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-    """A cache's tokens ``x [B, H, S, D]`` as stored, back in their rows' order (:func:`in_stored_order`'s inverse)."""
-    return _slots_taken(x, logical_slots(moved, x.shape[2])) if moved.shape[1] else x
+def as_read(x: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """A cache's tokens ``x [B, H, S, D]`` as stored, in their rows' slots as attention reads them: a
+    copied token as its copy (a fp sink), the pads holding the copies as the copies (their own values
+    are not kept; every query masks them)."""
+    return _slots_taken(x, _read_slots(filled, x.shape[2])) if filled.shape[1] else x
 
 
-def mask_in_stored_order(mask: torch.Tensor | None, moved: torch.Tensor, queries: int, keys: int,
-                         is_causal: bool) -> torch.Tensor:  # fmt: skip
+def mask_with_filled_pads(mask: torch.Tensor | None, filled: torch.Tensor, queries: int, keys: int,
+                          is_causal: bool) -> torch.Tensor:  # fmt: skip
     """An attention mask over ``keys`` slots (as SDPA takes it, ``None`` with ``is_causal`` meaning its
-    top-left causal mask) with its columns in the order of a cache whose rows moved their pads
-    (:func:`stored_slots`), for a read without ``is_causal``: ``[B, H or 1, queries, keys]``."""
-    causal = torch.ones(queries, keys, dtype=torch.bool, device=moved.device).tril() if is_causal else None
+    top-left causal mask) for a cache whose rows fill their pads (:func:`filled_slots`), for a read
+    without ``is_causal``: ``[B, H or 1, queries, keys]``. A copy is read as its token was (hidden
+    where that token is past ``keys``, a crop's), and the token's own slot is hidden while the copy is there."""
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=filled.device).tril() if is_causal else None
     if mask is None:
-        mask = torch.ones(queries, keys, dtype=torch.bool, device=moved.device) if causal is None else causal
+        mask = torch.ones(queries, keys, dtype=torch.bool, device=filled.device) if causal is None else causal
     elif causal is not None:
         mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
-    B = moved.shape[0]
+    B = filled.shape[0]
     mask = mask.expand(B, *mask.shape[-3:]) if mask.dim() >= 3 else mask.expand(B, 1, queries, keys)
-    slots = stored_slots(moved, keys)[:, None, None, :].expand(B, *mask.shape[1:3], keys)
-    return mask.gather(-1, slots)
+    slot = torch.arange(keys, device=filled.device)
+    pads, copies = filled[:, :1], filled[:, 1:]
+    source = filled_slots(filled, keys)
+    hidden = torch.where(slot < copies, source >= keys, (slot >= pads) & (slot < pads + copies))  # [B, keys]
+    read = mask.gather(-1, source.clamp(max=keys - 1)[:, None, None, :].expand(B, *mask.shape[1:3], keys))
+    hidden = hidden[:, None, None, :]
+    return read & ~hidden if read.dtype == torch.bool else read.masked_fill(hidden, float("-inf"))
 
 
 def _typical_keys(first: torch.Tensor, spec: QuantSpec, pads=None) -> tuple[torch.Tensor, torch.Tensor]:

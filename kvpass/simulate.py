@@ -11,8 +11,8 @@ should be. Layer types (full, sliding-window, recurrent) come from the model con
 ``FpTokens`` says which tokens stay unquantized: by default the specs' window, as kv4 keeps
 it; also schemes kv4 does not have, such as the first ``sinks`` tokens of K and V alike, kept
 fp wherever a sliding window has moved them (see :meth:`FpTokens.quantized`). A spec's own
-``sinks`` and ``center`` are simulated as kv4 stores them: sinks at the start of the sequence (after
-a left-padded row's pads, where kv4 stores those behind them) until a sliding window evicts them, the
+``sinks`` and ``center`` are simulated as kv4 stores them: sinks at the start of the sequence (a
+left-padded row's first tokens, copied into its first pads) until a sliding window evicts them, the
 offset fixed by a layer's first update.
 
 A query-scaled K spec (``QuantSpec.query_scaled``) takes its scales from the queries of a
@@ -35,13 +35,13 @@ import functools
 from collections.abc import Collection
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.modeling_utils import AttentionInterface
 
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.reference import (
-    bits_per_value, by_query_scales, center_offset, fixed_or_none, in_logical_order, in_stored_order, masked_pads,
-    moved_pads, query_energy, query_key_scales, quantize, quantize_dequantize, rounding_coefficients,
+    as_read, bits_per_value, by_query_scales, center_offset, evicted_fill, filled_pads, fixed_or_none, masked_pads,
+    query_energy, query_key_scales, quantize, quantize_dequantize, rounding_coefficients, with_pads_filled,
 )  # fmt: skip
 
 
@@ -98,12 +98,12 @@ class FpTokens:
         return total / (stored * 4 * head_dim)
 
 
-def _simulated_update(base_update, k_spec, v_spec, fp_tokens, moves_pads, state, key_states, value_states, *args,
+def _simulated_update(base_update, k_spec, v_spec, fp_tokens, fills_pads, state, key_states, value_states, *args,
                       **kwargs):  # fmt: skip
     """The layer's own update (its bookkeeping, eviction included), quantized past on read.
     ``state`` (a dict per layer) counts the tokens seen and holds the sinks, offset and query scales
-    each spec took; with ``moves_pads``, the left padding its first update's queries showed, stored
-    behind each row's first tokens as kv4 stores it (``PackedKV.moved_pads``)."""
+    each spec took; with ``fills_pads``, the left padding its first update's queries showed, its first
+    slots holding copies of each row's first tokens as kv4 stores them (``PackedKV.filled_pads``)."""
     if value_states is key_states:  # one tensor read as both K and V: kv4 stores it with K's spec, unscaled
         # Nor does it wait for its prefix: V's reads would need it before it is fixed.
         k_spec = v_spec = None if k_spec is None else dataclasses.replace(
@@ -115,7 +115,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, moves_pads, state,
     )
     first_update = not state
     if first_update:
-        state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)], moves_pads=moves_pads)
+        state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)], fills_pads=fills_pads)
         if k_spec is not None and k_spec.defer_prefix:
             state["queries"] = []  # K waits, exact, for prefix_tokens tokens (and their queries)
     elif "first_keys" in state or "rounding_pending" in state:
@@ -129,7 +129,9 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, moves_pads, state,
     evicted = state["seen"] - full_k.shape[2]  # tokens a sliding window dropped from the front
     # The past as the cache stored it after the previous step; the new tokens are exact.
     where = (*fp_tokens.quantized(past), evicted, past)
-    read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where, moved=state.get("moved_pads"))
+    filled = state.get("filled_pads")
+    filled = None if filled is None else evicted_fill(filled, evicted)
+    read_v = _read(full_v, v_spec, state["prefixes"][1], None, *where, filled=filled)
     deferred = "queries" in state
     if k_spec is not None and k_spec.query_rounded and not (deferred and k_spec.waits(full_k.shape[2])):
         # The tokens this update quantizes, as kv4's append does: a first (or the crossing) append all the
@@ -161,22 +163,23 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, moves_pads, state,
         if deferred:
             return full_k, read_v
     query_scales = state.get("query_scales")
-    return _read(full_k, k_spec, state["prefixes"][0], query_scales, *where, state, state.get("moved_pads")), read_v
+    return _read(full_k, k_spec, state["prefixes"][0], query_scales, *where, state, filled), read_v
 
 
-def _read(full, spec, prefix, query_scales, start, stop, evicted, past, state=None, moved=None):
+def _read(full, spec, prefix, query_scales, start, stop, evicted, past, state=None, filled=None):
     """``full`` (a layer's tokens) with its tokens ``[start, stop)`` (and the spec's sinks) as the
     cache stored them after the previous step, quantized with ``prefix``, ``(sinks, offset)``; a
     query-rounded spec's codes as ``state`` (the layer's) rounded them (:func:`_rounded_by_append`);
-    slots counted as stored where rows ``moved`` their pads (:func:`kvpass.reference.stored_slots`)."""
+    where rows' pads are ``filled`` (:func:`kvpass.reference.filled_pads` after the eviction), every
+    slot as stored (:func:`kvpass.reference.filled_slots`), then read as attention reads it."""
     sinks, offset = prefix
     held = max(min(sinks - evicted, past), 0)  # the spec's sinks, while the layer holds them
     first = max(start, held)
     if spec is None or stop <= first:
         return full
-    if moved is not None:
-        stored = _read(in_stored_order(full, moved), spec, prefix, query_scales, start, stop, evicted, past, state)
-        return in_logical_order(stored, moved)
+    if filled is not None:
+        stored = _read(with_pads_filled(full, filled), spec, prefix, query_scales, start, stop, evicted, past, state)
+        return as_read(stored, filled)
     quantizer = functools.partial(_rounded_by_append, state, evicted + first) if spec.query_rounded else quantize
     # The spec's sinks as kv4 stores them (16 bits), then its quantized tokens: of k * s, read as k.
     stored = by_query_scales(full[:, :, first - held : stop], query_scales, 1)
@@ -225,8 +228,8 @@ def _take_queries(state: dict, query: torch.Tensor, pads: torch.Tensor | None) -
     its query scales, and K's sinks and offset with them; and they give the shares that round a
     query-rounded K's tokens of that update (:func:`kvpass.reference.rounding_coefficients`). A layer that
     moves its rows' pads takes them from its first update's."""
-    if state["moves_pads"] and pads is not None and state["seen"] == query.shape[2] and "moved_pads" not in state:
-        state["moved_pads"] = moved_pads(pads, query.shape[2])
+    if state["fills_pads"] and pads is not None and state["seen"] == query.shape[2] and "filled_pads" not in state:
+        state["filled_pads"] = filled_pads(pads, query.shape[2])
     if "first_keys" in state:
         _fix_query_scales(state, query, pads)
     elif "queries" in state:
@@ -312,13 +315,12 @@ class SimulatedKVCache(DynamicCache):
                 raise ValueError(f"K and V windows differ ({k_spec.window}, {v_spec.window}); pass fp_tokens")
             window = windows.pop() if windows else 0
             fp_tokens = FpTokens(window=window, flush=WINDOW_BLOCK) if window else FpTokens()
-        # As kv4 moves a padded row's pads (kvpass.passes._moves_pads): caches storing every token on its own, kept.
-        token_order = all(spec is None or (spec.scheme == "token" and not spec.window) for spec in (k_spec, v_spec))
+        # As kv4 fills a padded row's pads (kvpass.passes._fills_pads): caches storing every token on its own.
+        fills_pads = all(spec is None or (spec.scheme == "token" and not spec.window) for spec in (k_spec, v_spec))
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
-                moves_pads = token_order and not isinstance(layer, DynamicSlidingWindowLayer)
                 layer.update = functools.partial(
-                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, moves_pads, {}
+                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, fills_pads, {}
                 )
 
 

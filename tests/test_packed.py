@@ -113,7 +113,7 @@ def test_save_load_round_trip(spec):
     loaded = torch.load(buffer)["keys"]  # weights_only=True: PackedKV is an allowed global
     assert isinstance(loaded, PackedKV) and loaded.spec == p.spec
     names = p.__tensor_flatten__()[0]
-    assert len(names) == 4 + 2 * bool(spec.refine) + bool(spec.sinks) + spec.center  # moved_pads always
+    assert len(names) == 4 + 2 * bool(spec.refine) + bool(spec.sinks) + spec.center  # filled_pads always
     for name in names:
         assert torch.equal(getattr(loaded, name), getattr(p, name))
 
@@ -681,50 +681,75 @@ def test_a_left_padded_row_stores_its_tokens_as_the_row_alone_does():
     torch.testing.assert_close(waiting.offset, batch.offset, rtol=1e-3, atol=1e-4)
 
 
-def test_a_left_padded_row_moves_its_pads_behind_its_first_tokens():
-    """Told to (``moves_pads``, a site whose K and V keep every token), a first append stores a padded
-    row's first tokens ahead of its pads: K's fp sinks are the row's own first tokens, as alone, where
-    they were pads. Every token of the row is then stored as the row alone stores it, the unpadded row
-    and a padding too long to leave ``PADDED_LEAD`` tokens as without moving; the attention reads the
-    mask's columns in the stored order and gives SDPA's output over the stored values."""
+def test_a_left_padded_row_fills_its_pads_with_its_first_tokens():
+    """Told to (``fills_pads``, a site whose K and V store every token on its own), a first append
+    copies a padded row's first tokens into its first pad slots: K's fp sinks are the row's own first
+    tokens, as alone, where they were pads. Read as attention reads them (the copies for their tokens),
+    the row's tokens are stored as the row alone stores them; the unpadded row, and rows with too few
+    pads or too few tokens after them, as without filling. The attention gives SDPA's output over them."""
     q, x = _mismatched_queries_and_keys(130)
     spec, pads = KVConfig().k, torch.tensor([0, 30])
-    moved = PackedKV.from_float(x, spec, q, pads, moves_pads=True)
+    filled = PackedKV.from_float(x, spec, q, pads, fills_pads=True)
     kept = PackedKV.from_float(x, spec, q, pads)
     alone = PackedKV.from_float(x[1:, :, 30:], spec, q[1:, :, 30:])
-    assert moved.moved_pads.tolist() == [[0], [30]] and kept.moved_pads.shape == (2, 0)
-    assert torch.equal(moved.head[1], alone.head[0]) and not torch.equal(kept.head[1], alone.head[0])
+    assert filled.filled_pads.tolist() == [[0, 4], [30, 4]] and kept.filled_pads.shape == (2, 0)
+    assert torch.equal(filled.head[1], alone.head[0]) and not torch.equal(kept.head[1], alone.head[0])
     # Up to the refined newest tokens, whose count is the cache's: the row alone's values, sinks included.
-    torch.testing.assert_close(moved.dequantize()[1, :, 30:110], alone.dequantize()[0, :, :80], rtol=0, atol=0)
-    torch.testing.assert_close(moved.dequantize()[0], kept.dequantize()[0], rtol=0, atol=0)
-    too_long = torch.tensor([0, 130 - reference.PADDED_LEAD + 1])
-    assert PackedKV.from_float(x, spec, q, too_long, moves_pads=True).moved_pads.tolist() == [[0], [0]]
+    torch.testing.assert_close(filled.dequantize()[1, :, 30:110], alone.dequantize()[0, :, :80], rtol=0, atol=0)
+    torch.testing.assert_close(filled.dequantize()[0], kept.dequantize()[0], rtol=0, atol=0)
+    for unfilled in (torch.tensor([0, 3]), torch.tensor([0, 127])):  # too few pads, too few tokens after them
+        assert PackedKV.from_float(x, spec, q, unfilled, fills_pads=True).filled_pads[:, 0].tolist() == [0, 0]
 
     v = torch.randn_like(x)
-    values = PackedKV.from_float(v, KVConfig().v, None, pads, moves_pads=True)
+    values = PackedKV.from_float(v, KVConfig().v, None, pads, fills_pads=True)
     q_step, k_new, v_new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64)
     mask = torch.ones(2, 1, 1, 131, dtype=torch.bool)
     mask[1, ..., :30] = False
-    out = packed.attention(q_step, moved, values, k_new, v_new, mask)
-    keys, vals = torch.cat([moved.dequantize(), k_new], 2), torch.cat([values.dequantize(), v_new], 2)
+    out = packed.attention(q_step, filled, values, k_new, v_new, mask)
+    keys, vals = torch.cat([filled.dequantize(), k_new], 2), torch.cat([values.dequantize(), v_new], 2)
     expected = F.scaled_dot_product_attention(q_step, keys, vals, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="moved their rows' pads differently"):
-        packed.attention(q_step, moved, PackedKV.from_float(v, KVConfig().v), k_new, v_new, mask)
-    with pytest.raises(ValueError, match="cannot move a row's pads"):
-        PackedKV.from_float(x, QuantSpec(bits=4, scheme="channel", group=64), None, pads, moves_pads=True)
+    with pytest.raises(ValueError, match="filled their rows' pads differently"):
+        packed.attention(q_step, filled, PackedKV.from_float(v, KVConfig().v), k_new, v_new, mask)
+    with pytest.raises(ValueError, match="cannot fill a row's pads"):
+        PackedKV.from_float(x, QuantSpec(bits=4, scheme="channel", group=64), None, pads, fills_pads=True)
 
 
-def test_a_crop_into_the_moved_slots_gives_the_tokens_in_their_rows_order():
+def test_a_sliding_window_evicts_the_copies_with_the_oldest_slots():
+    """A sliding window's eviction drops a cache's oldest slots, the copies first: a padded row's first
+    tokens whose copies leave are read from their own slots again (int4, as without filling), the
+    others still from their copies, and the attention reads the mask's columns accordingly."""
     q, x = _mismatched_queries_and_keys(130)
-    moved = PackedKV.from_float(x, KVConfig().k, q, torch.tensor([0, 30]), moves_pads=True)
-    whole = moved.dequantize()
-    kept = moved[:, :, :100]  # past every moved slot: still the packed cache
-    assert isinstance(kept, PackedKV) and kept.moved_pads.shape == (2, 1)
+    spec, pads = KVConfig().k, torch.tensor([0, 30])
+    filled = PackedKV.from_float(x, spec, q, pads, fills_pads=True)
+    kept = PackedKV.from_float(x, spec, q, pads)
+    evicted = filled[:, :, 2:]
+    assert evicted.filled_pads.tolist() == [[0, 2], [30, 2]] and evicted.n_head == 2
+    read, before = evicted.dequantize(), filled.dequantize()[:, :, 2:]
+    torch.testing.assert_close(read[1, :, 30:], before[1, :, 30:], rtol=0, atol=0)  # copies 2, 3 and the rest
+    torch.testing.assert_close(read[1, :, 28:30], kept.dequantize()[1, :, 30:32], rtol=0, atol=0)  # copies gone
+    torch.testing.assert_close(read[0], kept.dequantize()[0, :, 2:], rtol=0, atol=0)
+    assert filled[:, :, 10:].filled_pads.tolist() == [[0, 0], [30, 0]]
+    values = PackedKV.from_float(torch.randn_like(x), KVConfig().v, None, pads, fills_pads=True)[:, :, 2:]
+    q_step, k_new, v_new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64)
+    mask = torch.ones(2, 1, 1, 129, dtype=torch.bool)
+    mask[1, ..., :28] = False
+    out = packed.attention(q_step, evicted, values, k_new, v_new, mask)
+    keys, vals = torch.cat([read, k_new], 2), torch.cat([values.dequantize(), v_new], 2)
+    expected = F.scaled_dot_product_attention(q_step, keys, vals, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_crop_into_the_copied_tokens_gives_them_as_read():
+    q, x = _mismatched_queries_and_keys(130)
+    filled = PackedKV.from_float(x, KVConfig().k, q, torch.tensor([0, 30]), fills_pads=True)
+    whole = filled.dequantize()
+    kept = filled[:, :, :100]  # past every copied token: still the packed cache
+    assert isinstance(kept, PackedKV) and kept.filled_pads.tolist() == [[0, 4], [30, 4]]
     torch.testing.assert_close(kept.dequantize(), whole[:, :, :100], rtol=0, atol=0)
-    short = moved[:, :, :20]  # into them: the fallback's slice of the tokens in their rows' order
+    short = filled[:, :, :32]  # into them (a later append's tokens would take their slots): the fallback's
     assert not isinstance(short, PackedKV)
-    torch.testing.assert_close(short, whole[:, :, :20], rtol=0, atol=0)
+    torch.testing.assert_close(short, whole[:, :, :32], rtol=0, atol=0)
 
 
 def test_the_pads_are_the_leading_slots_a_mask_hides_from_every_query():

@@ -72,8 +72,8 @@ def test_a_long_left_padding_decodes_as_the_twin_does():
     for layer in cache.layers:
         scales = layer.keys.query_scales
         assert isinstance(layer.keys, PackedKV) and scales.isfinite().all() and scales.ne(1).any(-1).all()
-        # The padded row's first tokens are stored ahead of its pads, so K's sinks are its own.
-        assert layer.keys.moved_pads.tolist() == layer.values.moved_pads.tolist() == [[0], [80]]
+        # The padded row's first tokens are copied into its first pads, so K's sinks are its own.
+        assert layer.keys.filled_pads.tolist() == layer.values.filled_pads.tolist() == [[0, 4], [80, 4]]
     reference = SimulatedKVCache(model.config, config.k, config.v)
     with observed_queries():
         model(input_ids=ids, past_key_values=reference, **inputs)
@@ -85,24 +85,26 @@ def test_a_long_left_padding_decodes_as_the_twin_does():
 
 @torch.no_grad()
 def test_a_left_padded_batch_of_sliding_and_full_layers_generates_as_the_twin_does():
-    """Gemma 3 alternates sliding-window layers, whose eviction drops the oldest slots as stored, so a
-    padded row keeps its pads first there, and full-attention ones, where its first tokens are stored
-    ahead of its pads (K's sinks its own). A prompt short enough that K waits for its prefix, so the
-    order is fixed by the held append. The twin stores both as kv4 does."""
+    """Gemma 3 alternates sliding-window layers and full-attention ones; in both a padded row's first
+    tokens are copied into its first pads (K's sinks its own), and a sliding layer's eviction drops
+    the copies one step at a time, the tokens then read from their own slots. A 28-token prompt under
+    the 32-token window, so the copies leave while generating; K waits for its prefix (64 tokens),
+    which the full layers reach. The twin stores and reads both as kv4 does."""
     torch._dynamo.reset()
     model = build("gemma3")
-    ids, mask = _prompt(2, 40), torch.ones(2, 40, dtype=torch.long)
+    ids, mask = _prompt(2, 28), torch.ones(2, 28, dtype=torch.long)
     mask[1, :12] = 0
     ids[mask == 0] = 0
-    settings = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
+    settings = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
     with observed_queries():
         expected = model.generate(ids, past_key_values=_simulated(model), **settings)
     model.compile(backend="kv4")
     out = model.generate(ids, **settings)
     sliding, full = out.past_key_values.layers[:2]
-    assert full.keys.moved_pads.tolist() == [[0], [12]] and sliding.keys.moved_pads.shape == (2, 0)
-    assert full.keys.n_head == 4 and isinstance(sliding.keys, PackedKV)
+    assert full.keys.filled_pads.tolist() == full.values.filled_pads.tolist() == [[0, 4], [12, 4]]
+    assert sliding.keys.filled_pads.tolist() == sliding.values.filled_pads.tolist() == [[0, 0], [12, 0]]
+    assert full.keys.n_head == 4 and isinstance(sliding.values, PackedKV)
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
 
