@@ -210,7 +210,8 @@ class PackedKV(torch.Tensor):
             )
         # The first append (a waiting cache's first held one) fixes the order for good.
         first = self._is_empty and not self.residual.shape[2]
-        filled = reference.filled_pads(pads, new.shape[2]) if first and fills_pads and pads is not None else self.filled_pads
+        fills = first and fills_pads and pads is not None
+        filled = reference.filled_pads(pads, new.shape[2]) if fills else self.filled_pads
         if self._waiting:
             return self._held_append(new, query, pads, filled)
         # Only a first append takes query scales: decode steps skip the energy.
@@ -746,7 +747,8 @@ def _slice_bound(bound, length, default):
 
 def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     """Tokens ``[start, end)`` of a per-token cache, ``[head | codes | residual]`` each sliced
-    where the range meets it; the offset stays. A sliding window's eviction drops the sinks first."""
+    where the range meets it; the offset stays. A sliding window's eviction drops the sinks first, and
+    with them a padded row's copies (:func:`kvpass.reference.evicted_fill`)."""
     n_head, n_quant = t.n_head, t.codes.shape[2]
     lo, hi = min(max(start - n_head, 0), n_quant), min(max(end - n_head, 0), n_quant)
     behind = n_head + n_quant
@@ -754,7 +756,8 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     return PackedKV(
         t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
         t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
-        query_scales=t.query_scales, query_energy=t.query_energy, filled_pads=reference.evicted_fill(t.filled_pads, start),
+        query_scales=t.query_scales, query_energy=t.query_energy,
+        filled_pads=reference.evicted_fill(t.filled_pads, start),
     )  # fmt: skip
 
 

@@ -466,7 +466,8 @@ def _replace_cache_write(
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
         kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {}),
-                  **({"mask": mask} if mask is not None else {}), **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
+                  **({"mask": mask} if mask is not None else {}),
+                  **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:

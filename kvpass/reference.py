@@ -569,7 +569,8 @@ def mask_with_filled_pads(mask: torch.Tensor | None, filled: torch.Tensor, queri
     """An attention mask over ``keys`` slots (as SDPA takes it, ``None`` with ``is_causal`` meaning its
     top-left causal mask) for a cache whose rows fill their pads (:func:`filled_slots`), for a read
     without ``is_causal``: ``[B, H or 1, queries, keys]``. A copy is read as its token was (hidden
-    where that token is past ``keys``, a crop's), and the token's own slot is hidden while the copy is there."""
+    where that token is past ``keys``, a crop's), and the token's own slot is hidden while the copy
+    is there."""
     causal = torch.ones(queries, keys, dtype=torch.bool, device=filled.device).tril() if is_causal else None
     if mask is None:
         mask = torch.ones(queries, keys, dtype=torch.bool, device=filled.device) if causal is None else causal
