@@ -388,12 +388,17 @@ class PackedKV(torch.Tensor):
         return [getattr(self, name) for name in self.__tensor_flatten__()[0]]
 
     def stored_bytes(self) -> int:
-        """Bytes of the tokens this cache holds (its logical contents, not spare capacity)."""
-        return sum(t.numel() * t.element_size() for t in self._inner())
+        """Bytes of the tokens this cache holds (its logical contents, not spare capacity). Not counted,
+        as the spec is not: ``filled_pads``, two integers a row saying which slots hold what (every
+        cache a site hands a mask carries them, padded or not, 16 bytes a row)."""
+        return sum(t.numel() * t.element_size() for t in self._token_parts())
 
     def reserved_bytes(self) -> int:
         """Bytes allocated for this cache: :meth:`stored_bytes` plus the rows kept for growth."""
-        return sum(t.untyped_storage().nbytes() for t in self._inner())
+        return sum(t.untyped_storage().nbytes() for t in self._token_parts())
+
+    def _token_parts(self) -> list[torch.Tensor]:
+        return [t for t in self._inner() if t is not self.filled_pads]
 
     def __getitem__(self, index):
         result = super().__getitem__(index)

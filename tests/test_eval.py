@@ -12,6 +12,7 @@ from kvpass import eval as kv_eval
 from kvpass import reference
 from kvpass import text_data
 from kvpass.config import KVConfig
+from kvpass.coverage import TWIN_TOLERANCE
 from kvpass.models_zoo import build
 from tests.helpers import kv_heavy_llama, sliding_mistral
 
@@ -605,6 +606,16 @@ def test_padded_rows_scores_a_padded_row_as_the_sequence_alone_when_nothing_is_q
     assert len(padded) == 1 and padded == pytest.approx(alone, rel=1e-5)  # the mask and positions hide the pads
     quantized = padded_rows.continuation_nll_blocks(model, kvpass.kv4(), ids, padded=True, **settings)
     assert math.isfinite(quantized[0]) and quantized != padded
+
+
+def test_padded_twin_reads_a_padded_batch_as_the_twin_does():
+    """The script's check on one type: the padded row fills its pads in both layers, and the decode step
+    is the twin's; a sliding-window type's copies leave with its window (Mistral's, under the prompt)."""
+    padded_twin = _benchmark("padded_twin")
+    error, filled = padded_twin.padded_step_error("llama")
+    assert error <= TWIN_TOLERANCE and filled == [[[0, 4], [padded_twin.PADS, 4]]] * 2
+    error, filled = padded_twin.padded_step_error("mistral")
+    assert error <= TWIN_TOLERANCE and filled == [[[0, 0], [padded_twin.PADS, 0]]] * 2
 
 
 def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
