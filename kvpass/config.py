@@ -344,6 +344,12 @@ class QuantSpec:
         return 0, False
 
     @property
+    def tokens_apart(self) -> bool:
+        """Whether every token is quantized on its own as it comes (per-token groups, no fp window), so
+        a token's slot can hold another's (a padded row's copies: ``PackedKV.filled_pads``)."""
+        return self.scheme == "token" and not self.window
+
+    @property
     def gathers_queries(self) -> bool:
         """Whether a waiting cache (``defer_prefix``) gathers its queries' energy for query scales."""
         return self.defer_prefix and self.query_scaled

@@ -197,7 +197,7 @@ class PackedKV(torch.Tensor):
         rounding) skip. With ``fills_pads`` a first append also copies each padded row's first tokens into
         its first pad slots (``filled_pads``); a cache's K and V must be told alike, as attention reads
         them slot by slot."""
-        if fills_pads and (self.spec.scheme != "token" or self.spec.window):
+        if fills_pads and not self.spec.tokens_apart:
             raise ValueError(
                 f"{self.spec.tag} cannot fill a row's pads: only per-token groups without an fp window store "
                 "each token on its own"
@@ -208,7 +208,7 @@ class PackedKV(torch.Tensor):
                 f"queries {tuple(query.shape)} do not read the new tokens {tuple(new.shape)}: need the same batch "
                 "and tokens, and query heads a multiple of the KV heads"
             )
-        # The first append (a waiting cache's first held one) fixes the order for good.
+        # The first append (a waiting cache's first held one) fixes which slots hold copies, for good.
         first = self._is_empty and not self.residual.shape[2]
         fills = first and fills_pads and pads is not None
         filled = reference.filled_pads(pads, new.shape[2]) if fills else self.filled_pads
@@ -240,7 +240,7 @@ class PackedKV(torch.Tensor):
         head, offset, new = self._sinks_and_offset(new, pads if takes_scales else None, filled)
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding, filled)
-        if self.spec.scheme == "token" and not self.spec.window:  # kv4::quantize rotates as it quantizes
+        if self.spec.tokens_apart:  # kv4::quantize rotates as it quantizes
             codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
             return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales,
                                   filled_pads=filled)  # fmt: skip

@@ -878,7 +878,7 @@ def _fills_pads(specs: tuple[QuantSpec, QuantSpec]) -> bool:
     """Whether a site's first append copies each left-padded row's first tokens into its first pad
     slots (``PackedKV.filled_pads``), so K's sinks are the row's own: where both caches store every
     token on its own (a per-channel group or an fp window would mix the copies with their neighbours)."""
-    return all(spec.scheme == "token" and not spec.window for spec in specs)
+    return all(spec.tokens_apart for spec in specs)
 
 
 def _site_specs(k: _CacheWrite, v: _CacheWrite, config: KVConfig) -> tuple[QuantSpec, QuantSpec]:

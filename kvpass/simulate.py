@@ -227,7 +227,7 @@ def _take_queries(state: dict, query: torch.Tensor, pads: torch.Tensor | None) -
     (:func:`kvpass.reference.masked_pads`): kept while its K prefix waits (``queries``), else they fix
     its query scales, and K's sinks and offset with them; and they give the shares that round a
     query-rounded K's tokens of that update (:func:`kvpass.reference.rounding_coefficients`). A layer that
-    moves its rows' pads takes them from its first update's."""
+    fills its rows' pads takes them from its first update's."""
     if state["fills_pads"] and pads is not None and state["seen"] == query.shape[2] and "filled_pads" not in state:
         state["filled_pads"] = filled_pads(pads, query.shape[2])
     if "first_keys" in state:
@@ -316,7 +316,7 @@ class SimulatedKVCache(DynamicCache):
             window = windows.pop() if windows else 0
             fp_tokens = FpTokens(window=window, flush=WINDOW_BLOCK) if window else FpTokens()
         # As kv4 fills a padded row's pads (kvpass.passes._fills_pads): caches storing every token on its own.
-        fills_pads = all(spec is None or (spec.scheme == "token" and not spec.window) for spec in (k_spec, v_spec))
+        fills_pads = all(spec is None or spec.tokens_apart for spec in (k_spec, v_spec))
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
                 layer.update = functools.partial(
