@@ -484,8 +484,9 @@ def test_blocks_the_mask_excludes_are_not_read(monkeypatch, additive):
     Blocks no row attends to are poisoned and never dequantized."""
     torch.manual_seed(0)
     spec = QuantSpec(4, "token", 64, rotate=True)
-    block = R._block_tokens(spec, spec)
-    B, Hq, Hkv, S, D = 2, 4, 2, 3 * block, 64
+    B, Hq, Hkv, D = 2, 4, 2, 64
+    block = R._block_tokens(spec, spec, B * Hkv * D)
+    S = 3 * block
     q = torch.randn(B, Hq, 1, D)
     k_codes, k_scales, k_res = _stored(torch.randn(B, Hkv, S, D), spec)
     v_codes, v_scales, v_res = _stored(torch.randn(B, Hkv, S, D), spec)
@@ -507,6 +508,30 @@ def test_blocks_the_mask_excludes_are_not_read(monkeypatch, additive):
     out = R.attention(q, k_codes, k_scales, k_res, v_codes, v_scales, v_res, k_res, v_res, mask, 0.1, False, spec, spec)
     assert read == [block, block]  # K and V of the middle block only
     assert out.isfinite().all()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("heads, head_dim, blocks", [(1, 64, 2), (8, 128, 20)])
+def test_blocks_are_bounded_in_elements_not_tokens(monkeypatch, heads, head_dim, blocks):
+    """A decode step over one KV head of 64 reads ``BLOCK_ELEMENTS / 64`` tokens a block (every
+    block costs the same few dozen ops on CPU, so narrow caches take longer ones); 8 heads of
+    128 keep ``MIN_BLOCK_TOKENS``. The result does not depend on the blocking."""
+    torch.manual_seed(0)
+    spec = QuantSpec(4, "token", 64, rotate=True, clip=True)
+    S = 5000
+    q = torch.randn(1, 2 * heads, 1, head_dim)
+    k, v = torch.randn(1, heads, S, head_dim), torch.randn(1, heads, S, head_dim)
+    (kc, ks, kr), (vc, vs, vr) = _stored(k, spec), _stored(v, spec)
+    new = torch.randn(1, heads, 1, head_dim)
+    read = []
+    original = R.dequantize_field_major
+    monkeypatch.setattr(R, "dequantize_field_major", lambda codes, *a: read.append(codes.shape[2]) or original(codes, *a))
+    out = R.attention(q, kc, ks, kr, vc, vs, vr, new, new, None, 0.1, False, spec, spec)
+    block = max(R.MIN_BLOCK_TOKENS, R.BLOCK_ELEMENTS // (heads * head_dim))
+    assert read == [min(block, S - start) for start in range(0, S, block) for _ in "kv"]
+    assert len(read) == 2 * blocks
+    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 0)  # 256-token blocks everywhere
+    expected = R.attention(q, kc, ks, kr, vc, vs, vr, new, new, None, 0.1, False, spec, spec)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 

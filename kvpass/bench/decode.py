@@ -87,12 +87,13 @@ def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps
 
 
 def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None,
-             chunk=256, progress=False) -> list[dict]:  # fmt: skip
+             chunk=256, progress=False, model=None) -> list[dict]:  # fmt: skip
+    """The grid on ``model`` (default: the benchmark model of ``sizes``, :func:`kvpass.bench.build_model`)."""
     from tqdm.auto import tqdm
 
     from kvpass import bench
 
-    model = bench.build_model(dtype, **(sizes or {}))
+    model = bench.build_model(dtype, **(sizes or {})) if model is None else model
     rows = []
     jobs = [(m, c) for m in methods for c in contexts]
     for method, ctx in tqdm(jobs, disable=not progress, file=sys.stderr, desc="decode"):
@@ -135,8 +136,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=arguments.positive_int, default=10, help="timed decode steps (default 10)")
     parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--hidden", type=arguments.positive_int, default=1024)
-    parser.add_argument("--layers", type=arguments.positive_int, default=2)
+    parser.add_argument("--model", default=None,
+                        help="a real model instead of the benchmark model: smollm2, a .gguf file or a save_pretrained "
+                             "directory (as kvpass eval); random tokens fill it")  # fmt: skip
+    parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="the benchmark model's (no --model)")
+    parser.add_argument("--layers", type=arguments.positive_int, default=2, help="the benchmark model's (no --model)")
     parser.add_argument("--threads", type=arguments.positive_int, default=None)
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
@@ -153,12 +157,18 @@ def run(args) -> int:
         if m not in _HOW:
             raise ValueError(f"unknown method {m!r}; use some of {list(_HOW)}")
     contexts = args.contexts + ([16384] if args.long else [])
+    dtype = getattr(torch, args.dtype)
+    model = None
+    if args.model is not None:
+        from kvpass.models_zoo.real_model import load_model
+
+        model = load_model(args.model, dtype)[0]
     t0 = time.perf_counter()
-    rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, getattr(torch, args.dtype),
-                    dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress)  # fmt: skip
+    rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
+                    dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
-    info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype,
+    info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model,
                 threads=torch.get_num_threads(), torch=torch.__version__, rows=rows)  # fmt: skip
     bench.write_results(args, info, format_table(rows, markdown=True))
     return 0
