@@ -58,6 +58,19 @@ def test_decode_grid_reports_ratios_to_fp():
     assert "x fp" in decode.format_table(rows)
 
 
+def test_decode_grid_runs_the_model_it_is_given():
+    """``--model``: the grid times the model handed in, not the benchmark model (its cache says so:
+    2 layers of one KV head of 32 channels, fp32)."""
+    from kvpass import bench
+
+    model = bench.build_model(torch.float32, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32)
+    rows = decode.run_grid(["fp"], [64], warmup=1, steps=2, chunk=32, model=model)
+    assert rows[0]["stored_bytes"] == (64 + 1 + 2) * 2 * 2 * 32 * 4
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    assert parser.parse_args(["--model", "smollm2"]).model == "smollm2" and parser.parse_args([]).model is None
+
+
 def test_decode_fast_fill_packs_keys_with_query_scales_as_a_prefill_does():
     import kvpass
     from transformers import DynamicCache
