@@ -9,10 +9,8 @@ process; each figure is the fastest of 4 medians of 15 calls.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from rounding_costs import median_ms  # this folder's, as the script runs from it
 
 from kvpass import packed, reference
 from kvpass.config import KVConfig
@@ -26,16 +24,6 @@ SHAPES = {
     "bench model b4": (4, 32, 8, 128),
 }
 CONTEXTS = (512, 2048, 8192)
-
-
-def median_ms(fn, calls: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 @torch.no_grad()
@@ -54,7 +42,7 @@ def main() -> None:
             for _ in range(4):
                 for elements in best:
                     reference.BLOCK_ELEMENTS = elements
-                    ms = median_ms(lambda: packed.attention(q, keys, values, k_new, v_new, None, None, False))
+                    ms = median_ms(lambda: packed.attention(q, keys, values, k_new, v_new, None, None, False), 15)
                     best[elements] = min(best[elements], ms)
             reference.BLOCK_ELEMENTS = budget
             block = reference._block_tokens(config.k, config.v, B * Hkv * D)
