@@ -71,6 +71,30 @@ def test_decode_grid_runs_the_model_it_is_given():
     assert parser.parse_args(["--model", "smollm2"]).model == "smollm2" and parser.parse_args([]).model is None
 
 
+def test_attention_bench_reads_the_default_layout():
+    """``kvpass bench attention`` (GPU) times the cache decode really reads: K with its fp sinks,
+    offset, query scales and second code plane, built on CPU here; the fused and the dequantizing
+    paths agree and are charged the packed cache's bytes."""
+    from kvpass.bench import attention
+
+    parser = argparse.ArgumentParser()
+    attention.add_arguments(parser)
+    args = parser.parse_args(["--q-heads", "4", "--kv-heads", "2", "--head-dim", "64"])
+    torch.manual_seed(0)
+    inputs = attention.case_inputs(2, 300, args, device="cpu")
+    keys, values = inputs["keys"], inputs["values"]
+    assert keys.spec == KVConfig().k and values.spec == KVConfig().v
+    assert keys.shape == (2, 2, 299, 64) and keys.head.shape[2] == 4 and keys.query_scales.shape[2] == 1
+    assert keys.offset.shape[2] == 1 and keys.fine_codes.shape[2] > 0 and values.fine_codes.shape[2] > 0
+    timed = attention.methods(inputs)
+    fused, unfused = timed["kv4 fused"][0](), timed["kv4 dequant+sdpa"][0]()
+    torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
+    read = keys.stored_bytes() + values.stored_bytes()
+    query, new = 2 * 4 * 64 * 2, 2 * 2 * 64 * 2  # fp16 bytes of the query (and of the output), of a new K or V
+    assert timed["kv4 fused"][1] - read == timed["kv4 dequant+sdpa"][1] - read == 2 * query + 2 * new
+    assert read < 0.31 * (timed["sdpa fp16 (flash)"][1] - 2 * query)
+
+
 def test_decode_fast_fill_packs_keys_with_query_scales_as_a_prefill_does():
     import kvpass
     from transformers import DynamicCache

@@ -1,4 +1,5 @@
-"""Decode attention time: fp16 SDPA vs the fused kv4 kernel vs dequantize-then-SDPA.
+"""Decode attention time: fp16 SDPA vs the fused kv4 kernel vs dequantize-then-SDPA, over a cache
+stored as the default stores it (:func:`case_inputs`: fp sinks, offset, query scales, second plane).
 
 Decode is memory-bound, so each row also reports achieved bytes/s and the fraction of the
 memory roofline: the bytes the method's cache format forces it to read, over the
@@ -18,8 +19,8 @@ import sys
 
 import torch
 
-from kvpass import arguments, reference
-from kvpass.config import KVConfig
+from kvpass import arguments
+from kvpass.config import PREFIX_MIN_TOKENS, KVConfig
 
 # Larger than any L2 (H200: 50 MiB), rewritten before every timed call so no method is
 # timed reading a cache that the previous iteration left in L2.
@@ -64,67 +65,67 @@ def _nbytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def bench_case(batch, context, args, bandwidth, flush):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from kvpass.kernels import attention, quantize
+def case_inputs(batch: int, context: int, args, device: str = "cuda") -> dict:
+    """One decode step's inputs at ``context``: the query and the new token, and the past both as the
+    default stores it (``PackedKV``: a 64-token prompt with its queries fixes K's sinks, offset and
+    query scales, the rest is appended as decode appends it, with the second code plane on the newest
+    tokens) and as fp16 tensors."""
+    from kvpass.packed import PackedKV
 
     config = KVConfig()
-    k_spec, v_spec = config.k, config.v
     B, Hq, Hkv, D = batch, args.q_heads, args.kv_heads, args.head_dim
-    past = context - 1
-    scale = D**-0.5
-    dev = "cuda"
-    q = torch.randn(B, Hq, 1, D, dtype=torch.float16, device=dev)
-    k_past = torch.randn(B, Hkv, past, D, dtype=torch.float16, device=dev)
-    v_past = torch.randn(B, Hkv, past, D, dtype=torch.float16, device=dev)
-    k_new = torch.randn(B, Hkv, 1, D, dtype=torch.float16, device=dev)
-    v_new = torch.randn(B, Hkv, 1, D, dtype=torch.float16, device=dev)
+    past, prompt = context - 1, min(PREFIX_MIN_TOKENS, context - 1)
 
-    # The KIVI layout: K per-channel groups with the newest partial group in a residual.
-    n_quant_k = past - past % k_spec.group
-    k_codes, k_scales = quantize(k_past[:, :, :n_quant_k], k_spec)
-    k_residual = k_past[:, :, n_quant_k:].contiguous()
-    v_codes, v_scales = quantize(v_past, v_spec)
-    v_residual = v_past[:, :, :0]
-    k_full = torch.cat([k_past, k_new], dim=2)
-    v_full = torch.cat([v_past, v_new], dim=2)
-    del k_past, v_past
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float16, device=device)
 
-    def sdpa_fp16():
+    k_past, v_past = randn(B, Hkv, past, D), randn(B, Hkv, past, D)
+    keys = PackedKV.from_float(k_past[:, :, :prompt], config.k, randn(B, Hq, prompt, D)).append(k_past[:, :, prompt:])
+    values = PackedKV.from_float(v_past[:, :, :prompt], config.v).append(v_past[:, :, prompt:])
+    k_new, v_new = randn(B, Hkv, 1, D), randn(B, Hkv, 1, D)
+    return dict(q=randn(B, Hq, 1, D), keys=keys, values=values, k_new=k_new, v_new=v_new,
+                k_full=torch.cat([k_past, k_new], dim=2), v_full=torch.cat([v_past, v_new], dim=2),
+                scale=D**-0.5)  # fmt: skip
+
+
+def methods(inputs: dict) -> dict:
+    """``name -> (call, bytes it must read)``: fp16 SDPA over the fp16 cache, kv4's fused attention over
+    the packed one, and dequantize-then-SDPA over the same packed one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvpass import packed
+
+    q, keys, values, k_new, v_new, scale = (inputs[n] for n in ("q", "keys", "values", "k_new", "v_new", "scale"))
+
+    def sdpa(k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k_full, v_full, scale=scale, enable_gqa=True)
-
-    def fused_kv4():
-        return attention(
-            q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
-            k_new, v_new, None, scale, False, k_spec, v_spec,
-        )
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
     def dequant_then_sdpa():
-        keys = torch.cat([reference.decode(k_codes, k_scales, k_residual, k_spec, torch.float16), k_new], dim=2)
-        values = torch.cat([reference.decode(v_codes, v_scales, v_residual, v_spec, torch.float16), v_new], dim=2)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
-
-    # Autotuning picks among configs by speed alone; check the winner still computes the
-    # same attention as the unfused path before timing it.
-    torch.testing.assert_close(fused_kv4(), dequant_then_sdpa(), atol=6e-3, rtol=6e-3)
+        return sdpa(torch.cat([keys.dequantize(), k_new], dim=2), torch.cat([values.dequantize(), v_new], dim=2))
 
     small = _nbytes(q, k_new, v_new) + _nbytes(q)  # the query, the new token, the output
-    fp16_bytes = _nbytes(k_full, v_full) + _nbytes(q) * 2
-    kv4_bytes = _nbytes(k_codes, k_scales, k_residual, v_codes, v_scales) + small
+    kv4_bytes = keys.stored_bytes() + values.stored_bytes() + small
+    return {
+        "sdpa fp16 (flash)": (lambda: sdpa(inputs["k_full"], inputs["v_full"]),
+                              _nbytes(inputs["k_full"], inputs["v_full"]) + 2 * _nbytes(q)),
+        "kv4 fused": (lambda: packed.attention(q, keys, values, k_new, v_new, None, scale), kv4_bytes),
+        "kv4 dequant+sdpa": (dequant_then_sdpa, kv4_bytes),
+    }  # fmt: skip
+
+
+def bench_case(batch, context, args, bandwidth, flush):
+    timed = methods(case_inputs(batch, context, args))
+    # Autotuning picks among configs by speed alone; check the winner still computes the
+    # same attention as the unfused path before timing it.
+    torch.testing.assert_close(timed["kv4 fused"][0](), timed["kv4 dequant+sdpa"][0](), atol=6e-3, rtol=6e-3)
     rows = []
-    for method, fn, must_read in (
-        ("sdpa fp16 (flash)", sdpa_fp16, fp16_bytes),
-        ("kv4 fused", fused_kv4, kv4_bytes),
-        ("kv4 dequant+sdpa", dequant_then_sdpa, kv4_bytes),
-    ):
+    for method, (fn, must_read) in timed.items():
         ms = _time_ms(fn, args.warmup, args.iters, flush)
         achieved = must_read / (ms * 1e-3)
         rows.append(
             dict(
-                method=method, batch=B, context=context, ms=ms, bytes=must_read,
+                method=method, batch=batch, context=context, ms=ms, bytes=must_read,
                 gbytes_per_s=achieved / 1e9, roofline_fraction=achieved / bandwidth,
             )
         )
