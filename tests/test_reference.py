@@ -535,6 +535,40 @@ def test_blocks_are_bounded_in_elements_not_tokens(monkeypatch, heads, head_dim,
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "specs",
+    [
+        (KVConfig().k, KVConfig().v),
+        (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)),
+        (QuantSpec(4, "token", 32, True, symmetric=False), QuantSpec(2, "token", 32, True)),
+        (QuantSpec(4, "token", 64, True, clip=True, refine=64, sinks=4), QuantSpec(8, "token", 64, True, window=128)),
+    ],
+    ids=lambda specs: "/".join(s.tag for s in specs),
+)  # fmt: skip
+def test_attention_does_not_depend_on_its_block_length(monkeypatch, specs):
+    """Blocks of any length a budget gives (here 256, 300 and all 700 tokens at once: lengths off the
+    groups' multiples, sinks and the second plane inside one block or split, per-channel groups
+    kept whole) read the same packed cache to the same attention, up to the softmax's rounding."""
+    from kvpass.packed import PackedKV, attention
+
+    torch.manual_seed(0)
+    k_spec, v_spec = specs
+    P, heads, D = 700, 3, 64
+    keys = PackedKV.from_float(torch.randn(1, heads, P, D), k_spec, torch.randn(1, 3 * heads, P, D))
+    values = PackedKV.from_float(torch.randn(1, heads, P, D), v_spec)
+    q, k_new, v_new = torch.randn(1, 3 * heads, 3, D), torch.randn(1, heads, 3, D), torch.randn(1, heads, 3, D)
+    mask = torch.rand(1, 1, 3, P + 3) > 0.2
+    outs, original = [], R.dequantize_field_major
+    for tokens in (R.MIN_BLOCK_TOKENS, 300, P):
+        monkeypatch.setattr(R, "BLOCK_ELEMENTS", tokens * heads * D)  # per token: 3 heads of 64 (9 query rows)
+        read = []
+        monkeypatch.setattr(R, "dequantize_field_major", lambda c, *a: read.append(c.shape[2]) or original(c, *a))
+        outs.append(attention(q, keys, values, k_new, v_new, mask))
+        assert max(read) <= tokens and len(read) >= 2 * (P // tokens)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("mask_shape", ["per-row", "broadcast", "2-d", "none"])
 def test_attention_split_along_the_batch_equals_one_pass(monkeypatch, mask_shape):
     """A batch with more query rows than ``ATTENTION_ROWS`` runs in passes of whole sequences
