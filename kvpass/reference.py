@@ -941,8 +941,9 @@ ATTENTION_ROWS = 8 * 256
 # Elements a block of :func:`attention` holds per temporary (its dequantized K or V, its scores):
 # ~1 MiB of fp32. Each block costs a few dozen small ops whatever its size, so a decode step of
 # a model with few KV heads reads longer blocks: SmolLM2's 3 heads of 64 take 1365 tokens a
-# block, and an 8K-token decode step's attention fell from 13.4 to 4.2 ms a layer on CPU. Wide
-# caches keep 256 tokens a block, which measured fastest for 8 heads of 128.
+# block, and an 8K-token decode step's attention ran 2.1x faster on CPU
+# (benchmarks/attention_blocks.py). Wide caches keep 256 tokens a block, which measured fastest
+# for 8 heads of 128.
 BLOCK_ELEMENTS = 2**18
 MIN_BLOCK_TOKENS = 256
 
