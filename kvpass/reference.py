@@ -539,11 +539,15 @@ def filled_slots(filled: torch.Tensor, length: int) -> torch.Tensor:
     return torch.where(slot < filled[:, 1:], slot + filled[:, :1], slot)
 
 
+def _copied(filled: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """``[B, len(slot)]``: which of ``slot`` hold a row's tokens that have a copy in its pads."""
+    return (slot >= filled[:, :1]) & (slot < filled[:, :1] + filled[:, 1:])
+
+
 def _read_slots(filled: torch.Tensor, length: int) -> torch.Tensor:
     # A copied token reads from its copy; the pad slots holding the copies read them as well.
     slot = torch.arange(length, device=filled.device)
-    copied = (slot >= filled[:, :1]) & (slot < filled[:, :1] + filled[:, 1:])
-    return torch.where(copied, slot - filled[:, :1], slot)
+    return torch.where(_copied(filled, slot), slot - filled[:, :1], slot)
 
 
 def _slots_taken(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -579,9 +583,8 @@ def mask_with_filled_pads(mask: torch.Tensor | None, filled: torch.Tensor, queri
     B = filled.shape[0]
     mask = mask.expand(B, *mask.shape[-3:]) if mask.dim() >= 3 else mask.expand(B, 1, queries, keys)
     slot = torch.arange(keys, device=filled.device)
-    pads, copies = filled[:, :1], filled[:, 1:]
     source = filled_slots(filled, keys)
-    hidden = torch.where(slot < copies, source >= keys, (slot >= pads) & (slot < pads + copies))  # [B, keys]
+    hidden = torch.where(slot < filled[:, 1:], source >= keys, _copied(filled, slot))  # [B, keys]
     read = mask.gather(-1, source.clamp(max=keys - 1)[:, None, None, :].expand(B, *mask.shape[1:3], keys))
     hidden = hidden[:, None, None, :]
     return read & ~hidden if read.dtype == torch.bool else read.masked_fill(hidden, float("-inf"))
