@@ -2,7 +2,9 @@
 default-packed cache (``PackedKV.from_float``), with blocks bounded in elements
 (``reference.BLOCK_ELEMENTS``, the default) against every block ``MIN_BLOCK_TOKENS`` long
 (``BLOCK_ELEMENTS = 0``, as before the twenty-sixth run), alternating between the two in one
-process; each figure is the fastest of 4 medians of 15 calls.
+process; each figure is the fastest of 4 medians of 15 calls. Then what a site that hands a bool
+mask pays for filled pads (``PackedKV.filled_pads``, unpadded rows: every such site carries them):
+the same step with and without them, and ``reference.mask_with_filled_pads`` alone.
 
     python benchmarks/attention_blocks.py
 """
@@ -47,6 +49,30 @@ def main() -> None:
             reference.BLOCK_ELEMENTS = budget
             block = reference._block_tokens(config.k, config.v, B * Hkv * D)
             print(f"{name:<15} {context:>7} {block:>5} {best[0]:>12.2f} {best[budget]:>7.2f} {best[0] / best[budget]:>7.2f}x")
+
+    print(f"\n{'shape':<15} {'context':>7} {'no fill ms':>10} {'filled ms':>9} {'gather ms':>9}")
+    for name, (B, Hq, Hkv, D) in {**SHAPES, "Gemma 3 b4": (4, 4, 1, 256)}.items():
+        if "bench" in name:
+            continue
+        for context in (512, 4096):
+            x, v, q = torch.randn(B, Hkv, context, D), torch.randn(B, Hkv, context, D), torch.randn(B, Hq, context, D)
+            no_pads = torch.zeros(B, dtype=torch.long)
+            caches = {
+                fills: (packed.PackedKV.from_float(x, config.k, q, no_pads, fills),
+                        packed.PackedKV.from_float(v, config.v, None, no_pads, fills))
+                for fills in (False, True)
+            }  # fmt: skip
+            mask = torch.ones(B, 1, 1, context + 1, dtype=torch.bool)
+            query, k_new, v_new = torch.randn(B, Hq, 1, D), torch.randn(B, Hkv, 1, D), torch.randn(B, Hkv, 1, D)
+            best = {key: float("inf") for key in (False, True, "gather")}
+            filled = caches[True][0].filled_pads
+            for _ in range(4):
+                for fills, (keys, values) in caches.items():
+                    ms = median_ms(lambda: packed.attention(query, keys, values, k_new, v_new, mask), 15)
+                    best[fills] = min(best[fills], ms)
+                ms = median_ms(lambda: reference.mask_with_filled_pads(mask, filled, 1, context + 1, False), 15)
+                best["gather"] = min(best["gather"], ms)
+            print(f"{name:<15} {context:>7} {best[False]:>10.2f} {best[True]:>9.2f} {best['gather']:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""Where a real model's kv4 decode step goes on CPU: SmolLM2 compiled with kv4, a prompt of
+``--context`` KJV tokens, then ``--steps`` greedy decode steps, each timed whole, with timers
+around the kv4 ops the graph calls (``graph_ops.kv4_append`` and, inside it, the quantization
+``reference.encode_refined``; ``graph_ops.kv4_sdpa``) and the eager model for reference.
+
+    python benchmarks/decode_breakdown.py [--context 2000] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvpass import graph_ops, reference, text_data
+from kvpass.models_zoo.real_model import load_model
+
+spent, calls = collections.Counter(), collections.Counter()
+
+
+def timed(module, name: str) -> None:
+    """Replace ``module.name`` by a wrapper adding its wall time to ``spent[name]``."""
+    fn = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - start
+            calls[name] += 1
+
+    setattr(module, name, wrapper)
+
+
+@torch.no_grad()
+def step_ms(forward, prompt: torch.Tensor, steps: int) -> list[float]:
+    """Milliseconds of each of ``steps`` greedy decode steps after ``prompt`` (and 5 untimed ones)."""
+    cache = DynamicCache()
+    token = forward(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    for _ in range(5):
+        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    spent.clear(), calls.clear()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    for module, name in ((graph_ops, "kv4_append"), (graph_ops, "kv4_sdpa"), (reference, "encode_refined")):
+        timed(module, name)
+    model, tokenizer = load_model("smollm2", torch.float32)
+    prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
+    fp = step_ms(model, prompt, args.steps)
+    kv4 = step_ms(torch.compile(model, backend="kv4"), prompt, args.steps)
+    print(f"SmolLM2, {args.context}-token prompt, median of {args.steps} decode steps, {torch.get_num_threads()} threads")
+    print(f"eager fp step: {statistics.median(fp):.1f} ms; kv4 step: {statistics.median(kv4):.1f} ms")
+    for name in ("kv4_append", "encode_refined", "kv4_sdpa"):
+        per_step = 1e3 * spent[name] / args.steps
+        print(f"  {name:<15} {per_step:6.1f} ms a step, {calls[name] // args.steps} calls, "
+              f"{per_step * args.steps / calls[name]:.2f} ms each")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
