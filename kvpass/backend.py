@@ -101,10 +101,18 @@ def _inner(name: str):
 
     def without_options(gm, example_inputs, mode=None, options=None):
         if mode or options:
-            log.debug("kvpass: inner compiler %s ignores mode=%r options=%r", name, mode, options)
+            _warn_ignored(name, mode, repr(options))
         return backend(gm, example_inputs)
 
     return without_options
+
+
+# Once per setting, not per graph: generate's compile route passes CompileConfig's default
+# mode="reduce-overhead" to every graph it compiles.
+@functools.lru_cache(maxsize=None)
+def _warn_ignored(name: str, mode, options: str) -> None:
+    log.warning("kvpass: the %s inner compiler ignores mode=%r options=%s; CUDA graphs "
+                "(mode='reduce-overhead') and inductor options need kv4(inner='inductor')", name, mode, options)  # fmt: skip
 
 
 def _inductor(gm, example_inputs, mode=None, options=None):

@@ -275,6 +275,25 @@ def test_inductor_inner_compiler_gives_the_eager_inner_tokens():
     assert torch.equal(*results)
 
 
+def test_an_ignored_compile_mode_is_warned_about_once_per_setting(caplog):
+    """The eager inner compiler cannot run CUDA graphs: a user asking for them learns so, once."""
+    def step(x):
+        x = x.sin()
+        torch._dynamo.graph_break()  # two graphs, each handed the mode
+        return x + 1
+
+    torch._dynamo.reset()
+    kvpass.backend._warn_ignored.cache_clear()  # another test may have been warned already
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        torch.compile(step, backend="kv4", mode="reduce-overhead")(torch.randn(3))
+        torch.compile(step, backend="kv4", options={"trace.enabled": True})(torch.randn(3))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "eager inner compiler ignores mode='reduce-overhead'" in warnings[0]
+    assert "kv4(inner='inductor')" in warnings[0]
+    assert "options={'trace.enabled': True}" in warnings[1]
+
+
 
 @pytest.mark.parametrize("prompt, graphs", [(5, 5), (200, 4)])
 @torch.no_grad()
