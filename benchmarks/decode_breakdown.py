@@ -1,7 +1,10 @@
 """Where a real model's kv4 decode step goes on CPU: SmolLM2 compiled with kv4, a prompt of
 ``--context`` KJV tokens, then ``--steps`` greedy decode steps, each timed whole, with timers
 around the kv4 ops the graph calls (``graph_ops.kv4_append`` and, inside it, the quantization
-``reference.encode_refined``; ``graph_ops.kv4_sdpa``) and the eager model for reference.
+``reference.encode_refined``; ``graph_ops.kv4_sdpa``) and the eager model for reference. Then the
+same calls on the first layer's cache alone: back to back, and each after reading as many bytes as
+the model's weights (what a decode step streams between two layers' kv4 calls), which evicts the
+CPU caches the calls' many small ops would otherwise find warm.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20]
 """
@@ -16,7 +19,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvpass import graph_ops, reference, text_data
+from kvpass import graph_ops, packed, reference, text_data
 from kvpass.models_zoo.real_model import load_model
 
 spent, calls = collections.Counter(), collections.Counter()
@@ -38,8 +41,8 @@ def timed(module, name: str) -> None:
 
 
 @torch.no_grad()
-def step_ms(forward, prompt: torch.Tensor, steps: int) -> list[float]:
-    """Milliseconds of each of ``steps`` greedy decode steps after ``prompt`` (and 5 untimed ones)."""
+def step_ms(forward, prompt: torch.Tensor, steps: int) -> tuple[list[float], DynamicCache]:
+    """Milliseconds of each of ``steps`` greedy decode steps after ``prompt`` (and 5 untimed ones), and the cache."""
     cache = DynamicCache()
     token = forward(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     for _ in range(5):
@@ -50,7 +53,40 @@ def step_ms(forward, prompt: torch.Tensor, steps: int) -> list[float]:
         start = time.perf_counter()
         token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         times.append(1e3 * (time.perf_counter() - start))
-    return times
+    return times, cache
+
+
+def alone_ms(call, before=None, repeats: int = 50) -> float:
+    """Median milliseconds of ``call()``, each run after an untimed ``before()`` if given."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        call()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def print_calls_alone(model, cache: DynamicCache) -> None:
+    """The first layer's K append and attention, called alone, warm and after streaming the weights."""
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    B, H, _, D = keys.shape
+    new = torch.randn(B, H, 1, D)
+    query = torch.randn(B, model.config.num_attention_heads, 1, D)
+    weights = torch.ones(sum(p.numel() for p in model.parameters()))  # written, so reading it streams memory
+    stored = [keys]
+
+    def append():  # chained, as decode steps append, so the buffer grows in place
+        stored[0] = stored[0].append(new)
+
+    calls = {"K append": append,
+             "attention": lambda: packed.attention(query, keys, values, new, new, None, None, False, 0.0, None)}  # fmt: skip
+    print(f"the first layer's calls alone ({weights.numel() * 4 / 2**20:.0f} MiB of weights streamed before each, or not):")
+    for name, call in calls.items():
+        warm, cold = alone_ms(call), alone_ms(call, weights.sum)
+        print(f"  {name:<10} {warm:5.2f} ms warm, {cold:5.2f} ms after the weights")
 
 
 def main() -> None:
@@ -62,14 +98,15 @@ def main() -> None:
         timed(module, name)
     model, tokenizer = load_model("smollm2", torch.float32)
     prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
-    fp = step_ms(model, prompt, args.steps)
-    kv4 = step_ms(torch.compile(model, backend="kv4"), prompt, args.steps)
+    fp, _ = step_ms(model, prompt, args.steps)
+    kv4, cache = step_ms(torch.compile(model, backend="kv4"), prompt, args.steps)
     print(f"SmolLM2, {args.context}-token prompt, median of {args.steps} decode steps, {torch.get_num_threads()} threads")
     print(f"eager fp step: {statistics.median(fp):.1f} ms; kv4 step: {statistics.median(kv4):.1f} ms")
     for name in ("kv4_append", "encode_refined", "kv4_sdpa"):
         per_step = 1e3 * spent[name] / args.steps
         print(f"  {name:<15} {per_step:6.1f} ms a step, {calls[name] // args.steps} calls, "
               f"{per_step * args.steps / calls[name]:.2f} ms each")  # fmt: skip
+    print_calls_alone(model, cache)
 
 
 if __name__ == "__main__":
