@@ -205,9 +205,10 @@ CLIP_ERROR_UNIT = 2.0**20
 CLIP_SLICE_ELEMENTS = 2**18
 
 
-def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype) -> torch.Tensor:
-    """The scale per group (``dim`` reduced), in ``dtype``, with the least squared error on the grid
-    ``-(qmax+1)..qmax``; the first candidate wins a tie."""
+def _clipped(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, codes)``: the scale per group (``dim`` reduced), in ``dtype``, with the least squared
+    error on the grid ``-(qmax+1)..qmax`` (the first candidate wins a tie), and the groups' codes under
+    it (as :func:`_codes_from` gives them, still fp32), which the search has already computed."""
     x = groups.float().movedim(dim, -1)
     rows = x.reshape(-1, x.shape[-1])
     # All candidates of a row at once (a decode step quantizes a handful of groups, and one
@@ -215,10 +216,10 @@ def _clipped_scale(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype
     per_slice = max(1, CLIP_SLICE_ELEMENTS // (2 * len(clip_divisors(qmax)) * rows.shape[-1]))
     parts = rows.split(per_slice)
     if len(parts) > 1:
-        best = torch.cat([_least_error_scale(part, qmax, dtype) for part in parts])
+        scale, codes = (torch.cat(chosen) for chosen in zip(*(_least_error_scale(part, qmax, dtype) for part in parts)))
     else:
-        best = _least_error_scale(rows, qmax, dtype)
-    return best.reshape(x.shape[:-1])
+        scale, codes = _least_error_scale(rows, qmax, dtype)
+    return scale.reshape(x.shape[:-1]), codes.reshape(x.shape).movedim(-1, dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,21 +230,24 @@ def _signed_divisors(qmax: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([sign * t for t in clip_divisors(qmax) for sign in (1.0, -1.0)], device=device)
 
 
-def _least_error_scale(rows: torch.Tensor, qmax: int, dtype: torch.dtype) -> torch.Tensor:
-    """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` in ``dtype``."""
+def _least_error_scale(rows: torch.Tensor, qmax: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows [N, g]`` (fp32) -> the chosen scale per row, ``[N]`` in ``dtype``, and the rows'
+    codes under it, ``[N, g]`` fp32."""
     amax = rows.abs().amax(-1, keepdim=True)
     finite = torch.isfinite(amax)
     unit = torch.where(finite & (amax != 0), amax, 1.0)
     candidates = scale_values(_stored_scales(amax / _signed_divisors(qmax, rows.device), dtype))  # [N, candidates]
-    scale = candidates[:, :, None]
-    # Only a zero candidate needs a safe divisor: a non-finite row's codes are never used.
-    codes = torch.clamp(torch.round(rows[:, None, :] / torch.where(scale == 0, 1.0, scale)), -qmax - 1, qmax)
+    # A zero candidate and a non-finite row's divide by one, as _codes_from's zero or NaN scale
+    # does, so the chosen candidate's codes are the codes (a non-finite row's are the same for all).
+    divisor = torch.where((candidates != 0) & finite, candidates, 1.0)[:, :, None]
+    codes = torch.clamp(torch.round(rows[:, None, :] / divisor), -qmax - 1, qmax)
     # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
-    e = torch.where(finite[:, :, None], (codes * scale - rows[:, None, :]) / unit[:, :, None], 0.0)
+    e = torch.where(finite[:, :, None], (codes * candidates[:, :, None] - rows[:, None, :]) / unit[:, :, None], 0.0)
     units = (e * e * CLIP_ERROR_UNIT + 0.5).floor_()
     chosen = units.to(torch.int64).sum(-1).argmin(-1, keepdim=True)  # argmin: the first of equal minima
     best = candidates.gather(1, chosen).squeeze(1)
-    return _stored_scales(torch.where(finite.squeeze(1), best, float("nan")), dtype)
+    chosen_codes = codes.gather(1, chosen[:, :, None].expand(-1, 1, codes.shape[-1])).squeeze(1)
+    return _stored_scales(torch.where(finite.squeeze(1), best, float("nan")), dtype), chosen_codes
 
 
 def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, code_max: int):
@@ -386,8 +390,7 @@ def _quantize_asym(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torc
     groups, dim, expand, ungroup = _groups(x.float(), spec)
     non_finite = ~torch.isfinite(groups).all(dim)
     scale, zero = _asym_params(groups.amin(dim), groups.amax(dim), non_finite, code_max)
-    codes = ungroup(_asym_codes_from(groups, expand(scale), expand(zero), code_max))
-    return pack_codes(codes, spec.bits, symmetric=False), torch.stack([scale, zero], dim=-1)
+    return ungroup(_asym_codes_from(groups, expand(scale), expand(zero), code_max)), torch.stack([scale, zero], dim=-1)
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,22 +400,36 @@ def quantize(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = N
 
     Rotation is not applied here (see :func:`encode`).
     """
+    codes, scales = _quantized(x, spec, rounding)
+    return pack_codes(codes, spec.bits, spec.symmetric), scales
+
+
+def _quantized(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` with the codes not yet packed: integers ``[B, H, S, D]``."""
     if not spec.symmetric:
         return _quantize_asym(x, spec)
     qmax = spec.qmax
     groups, dim, expand, ungroup = _groups(x, spec)
     dtype = scale_dtype(spec, x.shape[1], x.shape[3])
-    scale = _clipped_scale(groups, dim, qmax, dtype) if spec.clip else _group_scale(groups.abs().amax(dim), qmax, dtype)
+    if spec.clip:
+        scale, nearest = _clipped(groups, dim, qmax, dtype)  # the search has the codes to nearest
+    else:
+        scale = _group_scale(groups.abs().amax(dim), qmax, dtype)
+        nearest = _codes_from(groups, expand(scale), spec.code_min, spec.code_max) if rounding is None else None
     if rounding is None:
-        codes = _codes_from(groups, expand(scale), spec.code_min, spec.code_max)
+        codes = nearest.to(torch.int8)
     else:
         codes = _rounded_codes(groups, scale, rounding, spec.code_min, spec.code_max)
-    return pack_codes(ungroup(codes), spec.bits), scale
+    return ungroup(codes), scale
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize` (up to the quantization error), ``[B, H, S, D]``."""
-    q = _unpacked_float(codes, spec.bits, spec.symmetric)
+    return _scaled(_unpacked_float(codes, spec.bits, spec.symmetric), scales, spec, dtype)
+
+
+def _scaled(q: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.float32) -> torch.Tensor:
+    """Unpacked codes ``q`` (fp32 ``[B, H, S, D]``, overwritten) times their ``scales`` (plus zero points)."""
     B, H, S, D = q.shape
     scale, zero = split_scales(per_head_scales(scales, H), spec)
     if spec.scheme == "token":
@@ -430,7 +447,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype
 
     # Explicitly expanded operands take torch's fast elementwise path; a size-1 broadcast
     # dimension in the middle is several times slower on CPU.
-    x = q.mul_(expand(scale))  # q is this call's own buffer
+    x = q.mul_(expand(scale))
     if zero is not None:
         x = x.add_(expand(zero))
     return x.reshape(B, H, S, D).to(dtype)
@@ -925,9 +942,16 @@ def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset:
     ``quantizer`` is :func:`quantize` or a kernel computing exactly the same.
     """
     stored = _centered(rotate(x) if spec.rotate else x, offset)
-    codes, scales = quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
     T = x.shape[2]
-    return codes, scales, *_error_plane(stored, codes, scales, spec, T - min(T, spec.refine), quantizer)
+    first = T - min(T, spec.refine)
+    if quantizer is not quantize:
+        codes, scales = quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
+        return codes, scales, *_error_plane(stored, codes, scales, spec, first, quantizer)
+    # Here the codes are at hand before packing: the error needs no unpacking (fewer ops a decode step).
+    values, scales = _quantized(stored, spec, rounding)
+    newest = slice(first, T)
+    error = stored[:, :, newest].float() - _scaled(values[:, :, newest].float(), scales[:, :, newest], spec)
+    return pack_codes(values, spec.bits, spec.symmetric), scales, *quantize(error, spec)
 
 
 # --- attention -------------------------------------------------------------------------

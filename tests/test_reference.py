@@ -725,3 +725,28 @@ def test_query_rounded_setting_is_checked_tagged_and_stripped_where_no_queries_c
         QuantSpec.from_tag("int4:token:64:qr064")
     with pytest.raises(ValueError, match="v.query_rounded=True is not supported"):
         KVConfig(v=QUERY_ROUNDED)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [KVConfig().k, KVConfig().v, QuantSpec(4, "token", 32, rotate=True, symmetric=False, refine=64),
+     QuantSpec(8, "token", 32, clip=True, refine=16), QuantSpec(2, "token", 16, rotate=True, refine=64)],
+    ids=lambda s: s.tag,
+)
+@pytest.mark.parametrize("tokens", [1, 9, 70])
+def test_encode_refined_from_unpacked_codes_equals_it_from_packed_ones(spec, tokens):
+    """The reference takes the plane's error from the codes before packing them; a kernel quantizer's
+    are packed, and unpacked for it: the same bits either way, non-finite, zero and rounded groups too."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(2, 3, tokens, 64, generator=g) * 3
+    x[0, 0, 0] = 0.0
+    x[1, 2, -1, 5] = float("nan")
+    x[0, 1, -1, 7] = float("inf")
+    offset = torch.randn(2, 3, 1, 64, generator=g) * 0.1
+    rounding = None
+    if spec.query_rounded:
+        rounding = R.rounding_coefficients(_concentrated_queries(2, 3, 64)[:, :, :tokens], 3, None, spec)
+    expected = R.encode_refined(x, spec, lambda *args: R.quantize(*args), offset, rounding)
+    got = R.encode_refined(x, spec, offset=offset, rounding=rounding)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bits, so NaN scales compare too
