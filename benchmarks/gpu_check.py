@@ -88,8 +88,8 @@ def check_quantize(kernels) -> bool:
 
 
 def check_quantize_refined() -> bool:
-    """``kv4::quantize_refined`` on CUDA (Triton codes, then the plane) against the reference run on
-    the same CUDA tensors (so both rotate with the same matmul)."""
+    """``kv4::quantize_refined`` on CUDA (one Triton launch for the codes and the plane) against the
+    reference run on the same CUDA tensors (so both rotate with the same matmul)."""
     from kvpass import ops
 
     ok = True

@@ -1,6 +1,6 @@
 """Triton kernels of kvpass and their launchers (no FX, no graph passes here)."""
 
 from kvpass.kernels.attention import attention
-from kvpass.kernels.quantize import quantize
+from kvpass.kernels.quantize import quantize, quantize_refined
 
-__all__ = ["attention", "quantize"]
+__all__ = ["attention", "quantize", "quantize_refined"]

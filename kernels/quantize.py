@@ -1,4 +1,5 @@
-"""Group quantization of ``x [B, H, S, D]`` into packed codes and fp16 scales.
+"""Group quantization of ``x [B, H, S, D]`` into packed codes and fp16 scales (and, for a refined
+spec, the second code plane of the newest tokens in the same launch: :func:`quantize_refined`).
 
 Bit-exact with :func:`kvpass.reference.quantize`: same fp32 division (correctly rounded,
 not the approximate division Triton emits for ``/``), same fp16 scale rounding, same
@@ -172,8 +173,11 @@ def _quantize_token_kernel(
     C, stride_cb, stride_ch, stride_cs, stride_cd,
     SC, stride_sb, stride_sh, stride_ss, stride_sg, stride_sp,
     R, H, S, D, n_groups,
+    FC, stride_fcb, stride_fch, stride_fcs, stride_fcd,
+    FSC, stride_fsb, stride_fsh, stride_fss, stride_fsg,
+    first_fine,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ASYM: tl.constexpr,
-    CLIP: tl.constexpr, ROUNDED: tl.constexpr,
+    CLIP: tl.constexpr, ROUNDED: tl.constexpr, REFINE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // H
@@ -225,6 +229,27 @@ def _quantize_token_kernel(
         packed,
         mask=row_ok[:, None] & (offs_byte[None, :] < D // PER_BYTE),
     )
+    if REFINE:
+        # The second code plane of rows first_fine..S: their error, quantized to nearest. code * scale
+        # is exact in fp32, so the error is one rounding however it is computed (symmetric grids only).
+        error = x - codes.to(tl.float32) * scale_per_elem.to(tl.float32)
+        error_groups = tl.reshape(error, [BLOCK_S, N_GROUPS, GROUP])
+        error_non_finite = tl.max(((error_groups != error_groups) | (tl.abs(error_groups) == float("inf"))).to(tl.int32),
+                                  axis=2) > 0  # fmt: skip
+        if CLIP:
+            fine_scale = _clipped_scale(error_groups, error_non_finite, QMAX, 2)
+        else:
+            fine_scale = _scale_from(tl.max(tl.abs(error_groups), axis=2), error_non_finite, QMAX)
+        fine_rows = offs_s - first_fine
+        fine_ok = row_ok & (fine_rows >= 0)
+        tl.store(FSC + b * stride_fsb + h * stride_fsh + fine_rows[:, None] * stride_fss + offs_g[None, :] * stride_fsg,
+                 fine_scale, mask=fine_ok[:, None] & (offs_g[None, :] < n_groups))  # fmt: skip
+        fine_per_elem = tl.reshape(tl.broadcast_to(fine_scale[:, :, None], [BLOCK_S, N_GROUPS, GROUP]), [BLOCK_S, BLOCK_D])
+        tl.store(
+            FC + b * stride_fcb + h * stride_fch + fine_rows[:, None] * stride_fcs + offs_byte[None, :] * stride_fcd,
+            _pack(_codes_from(error, fine_per_elem, CODE_MIN, QMAX), BLOCK_S, BLOCK_D, BITS, True),
+            mask=fine_ok[:, None] & (offs_byte[None, :] < D // PER_BYTE),
+        )
 
 
 @triton.jit
@@ -308,6 +333,48 @@ def quantize(
     ``x`` may have any strides. ``out`` (any strides, e.g. a slice of a preallocated cache)
     receives the result in place of new tensors. Rotation is not applied here.
     """
+    rounding = _checked(x, spec, rounding)
+    codes_shape, scales_shape = output_shapes(x.shape, spec)
+    if out is None:
+        codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(scales_shape, dtype=SCALE_DTYPE, device=x.device)
+    else:
+        codes, scales = out
+        _check_out("codes", codes, codes_shape, torch.uint8, x.device)
+        _check_out("scales", scales, scales_shape, SCALE_DTYPE, x.device)
+    _launch(x, spec, rounding, codes, scales)
+    return codes, scales
+
+
+def quantize_refined(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    rounding: torch.Tensor | None = None,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` of ``x`` and, in the same launch, the second code plane of its newest
+    ``min(S, spec.refine)`` tokens (their error, quantized to nearest): ``(codes, scales, fine_codes,
+    fine_scales)`` exactly as :func:`kvpass.reference.encode_refined` of the stored form ``x``. A decode
+    step's append is one launch instead of the ten of quantizing, dequantizing and quantizing again.
+    Symmetric per-token groups only (the error of an asymmetric grid's code is two roundings, which a
+    GPU may fuse into one). ``out``, as :func:`quantize`'s, receives all four."""
+    if spec.scheme != "token" or not spec.symmetric or not spec.refine:
+        raise ValueError(f"{spec.tag}: the fused second plane needs symmetric per-token groups and refine > 0")
+    rounding = _checked(x, spec, rounding)
+    B, H, S, D = x.shape
+    shapes = [*output_shapes(x.shape, spec), *output_shapes((B, H, min(S, spec.refine), D), spec)]
+    dtypes = (torch.uint8, SCALE_DTYPE) * 2
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=dtype, device=x.device) for shape, dtype in zip(shapes, dtypes))
+    for name, tensor, shape, dtype in zip(("codes", "scales", "fine_codes", "fine_scales"), out, shapes, dtypes):
+        _check_out(name, tensor, shape, dtype, x.device)
+    _launch(x, spec, rounding, *out)
+    return out
+
+
+def _checked(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None) -> torch.Tensor | None:
+    """Raise on what the kernels do not take; ``rounding`` as the kernel reads it."""
     if x.dim() != 4:
         raise ValueError(f"x must be [B, H, S, D], got shape {list(x.shape)}")
     if x.dtype not in INPUT_DTYPES:
@@ -322,26 +389,24 @@ def quantize(
         raise ValueError(f"head_dim {D} must be a multiple of {per_byte} to pack {spec.bits}-bit codes")
     if spec.scheme == "channel" and S % spec.group:
         raise ValueError(f"per-channel quantization needs whole groups of {spec.group} tokens, got {S} tokens")
-    codes_shape, scales_shape = output_shapes(x.shape, spec)
-    if rounding is not None:
-        if spec.scheme != "token" or not spec.symmetric:
-            raise ValueError(f"{spec.tag}: query rounding needs symmetric per-token groups")
-        group = spec.token_group(D)
-        shape = (B, H, D // group, group, group)
-        if tuple(rounding.shape) != shape or rounding.dtype != torch.int64 or rounding.device != x.device:
-            raise ValueError(f"rounding must be int64 {list(shape)} on {x.device}, got {rounding.dtype} "
-                             f"{list(rounding.shape)} on {rounding.device}")  # fmt: skip
-        rounding = rounding.contiguous()
-    if out is None:
-        codes = torch.empty(codes_shape, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(scales_shape, dtype=SCALE_DTYPE, device=x.device)
-    else:
-        codes, scales = out
-        _check_out("codes", codes, codes_shape, torch.uint8, x.device)
-        _check_out("scales", scales, scales_shape, SCALE_DTYPE, x.device)
-    if codes.numel() == 0:
-        return codes, scales
+    if rounding is None:
+        return None
+    if spec.scheme != "token" or not spec.symmetric:
+        raise ValueError(f"{spec.tag}: query rounding needs symmetric per-token groups")
+    group = spec.token_group(D)
+    shape = (B, H, D // group, group, group)
+    if tuple(rounding.shape) != shape or rounding.dtype != torch.int64 or rounding.device != x.device:
+        raise ValueError(f"rounding must be int64 {list(shape)} on {x.device}, got {rounding.dtype} "
+                         f"{list(rounding.shape)} on {rounding.device}")  # fmt: skip
+    return rounding.contiguous()
 
+
+def _launch(x, spec: QuantSpec, rounding, codes, scales, fine_codes=None, fine_scales=None) -> None:
+    """Quantize ``x`` into ``codes``/``scales`` (and the newest tokens' second plane into
+    ``fine_codes``/``fine_scales``, per-token groups)."""
+    if codes.numel() == 0:
+        return
+    B, H, S, D = x.shape
     block_d = triton.next_power_of_2(D)
     asym = not spec.symmetric
     # Symmetric scales have no (scale, zero) dimension; its stride is then never used.
@@ -352,12 +417,16 @@ def quantize(
         # About 4K elements per program: enough rows to hide latency at head_dim 64-256.
         block_s = min(triton.next_power_of_2(S), max(1, 4096 // block_d))
         grid = (B * H, triton.cdiv(S, block_s))
+        refine = fine_codes is not None
+        # Without a plane its pointers are never read: the codes stand in for them.
+        fine = (fine_codes, *fine_codes.stride(), fine_scales, *fine_scales.stride()) if refine else (codes, 0, 0, 0, 0) * 2
         _quantize_token_kernel[grid](
             x, *x.stride(), codes, *codes.stride(), scales, *scale_strides,
             codes if rounding is None else rounding, H, S, D, n_groups,
+            *fine, S - fine_codes.shape[2] if refine else S,
             BITS=spec.bits, GROUP=group, BLOCK_S=block_s, BLOCK_D=block_d, ASYM=asym, CLIP=spec.clip,
-            ROUNDED=rounding is not None,
-        )
+            ROUNDED=rounding is not None, REFINE=refine,
+        )  # fmt: skip
     else:
         grid = (B * H, S // spec.group)
         _quantize_channel_kernel[grid](
@@ -365,4 +434,3 @@ def quantize(
             H, D,
             BITS=spec.bits, GROUP=spec.group, BLOCK_D=block_d, ASYM=asym, CLIP=spec.clip,
         )
-    return codes, scales

@@ -136,6 +136,10 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offse
 @quantize_refined.register_kernel("cuda")
 def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
+    kernels = _kernels_for(spec)
+    if kernels is not None and scheme == "token" and symmetric:
+        # The codes and the plane in one launch: a decode step's append pays launches, not work.
+        return kernels.quantize_refined(reference.stored_form(x, spec, offset), spec, rounding)
     return reference.encode_refined(x.contiguous(), spec, _quantizer_for(spec), offset, rounding)
 
 

@@ -857,8 +857,14 @@ def encode(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,
     """The stored form of ``x``: rotated first when ``spec.rotate``, minus a centered spec's
     ``offset`` (stored domain), then quantized by ``quantizer`` (:func:`quantize` or a kernel
     computing exactly the same), with ``rounding`` if given: ``(codes, scales)``."""
-    stored = _centered(rotate(x) if spec.rotate else x, offset)
+    stored = stored_form(x, spec, offset)
     return quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
+
+
+def stored_form(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """New tokens ``x`` in the domain a cache quantizes them in: rotated when ``spec.rotate``, minus a
+    centered spec's ``offset``."""
+    return _centered(rotate(x) if spec.rotate else x, offset)
 
 
 def decode(codes, scales, residual, spec: QuantSpec, dtype, fine_codes=None, fine_scales=None, head=None,
@@ -941,7 +947,7 @@ def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset:
 
     ``quantizer`` is :func:`quantize` or a kernel computing exactly the same.
     """
-    stored = _centered(rotate(x) if spec.rotate else x, offset)
+    stored = stored_form(x, spec, offset)
     T = x.shape[2]
     first = T - min(T, spec.refine)
     if quantizer is not quantize:

@@ -27,7 +27,7 @@ if not KERNELS_INTERPRETED:
         allow_module_level=True,
     )
 
-from kvpass.kernels import attention, quantize  # noqa: E402
+from kvpass.kernels import attention, quantize, quantize_refined  # noqa: E402
 
 # Tolerances of the fused attention against the fp32 reference, per input dtype:
 # - fp32: operands stay fp32 and the dots are IEEE fp32; only summation order and exp
@@ -137,6 +137,41 @@ def test_refined_quantize_through_the_kernel_matches_reference(tokens, dtype):
     got = reference.encode_refined(x, spec, lambda t, s: launches.append(t.shape) or quantize(t, s))
     assert launches == [shape, (2, 3, min(tokens, spec.refine), 128)]  # the codes, then the plane
     assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
+
+
+REFINED = QuantSpec(bits=4, scheme="token", group=64, clip=True, refine=64)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "spec, rounded",
+    [(REFINED, False), (dataclasses.replace(REFINED, query_rounded=True), True),
+     (dataclasses.replace(REFINED, clip=False, refine=8), False), (QuantSpec(8, "token", 32, clip=True, refine=16), False),
+     (QuantSpec(2, "token", 16, refine=64), False)],
+    ids=lambda v: v.tag if isinstance(v, QuantSpec) else ("rounded" if v else "nearest"),
+)  # fmt: skip
+def test_fused_refined_quantize_matches_reference(spec, rounded, tokens, dtype):
+    """One launch for the codes and the second plane (what ``kv4::quantize_refined`` runs on CUDA), bit
+    for bit the reference's, on ties, zeros and non-finite groups, codes rounded against queries or not."""
+    gen = torch.Generator().manual_seed(tokens + spec.bits)
+    shape = (2, 3, tokens, 64)
+    x = _hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
+    rounding = None
+    if rounded:
+        rounding = reference.rounding_coefficients(torch.randn(2, 6, 4, 64, generator=gen), 3, None, spec)
+    expected = reference.encode_refined(x, spec, rounding=rounding)
+    poisoned = [torch.full_like(t, 255 if t.dtype == torch.uint8 else float("nan")) for t in expected]
+    got = quantize_refined(x, spec, rounding, out=poisoned)
+    assert [t.shape for t in got] == [t.shape for t in expected]
+    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
+
+
+def test_fused_refined_quantize_takes_symmetric_token_groups_only():
+    x = torch.randn(1, 2, 3, 64)
+    for spec in (dataclasses.replace(REFINED, symmetric=False, clip=False), dataclasses.replace(REFINED, refine=0)):
+        with pytest.raises(ValueError, match="the fused second plane needs symmetric per-token groups"):
+            quantize_refined(x, spec)
 
 
 @pytest.mark.parametrize(
