@@ -688,7 +688,9 @@ def by_query_scales(x: torch.Tensor | None, query_scales: torch.Tensor | None, p
     query_scales = fixed_or_none(query_scales)
     if x is None or query_scales is None:
         return x
-    factor = query_scales.float().repeat_interleave(x.shape[1] // query_scales.shape[1], dim=1)
+    repeats = x.shape[1] // query_scales.shape[1]
+    factor = query_scales.float()
+    factor = factor if repeats == 1 else factor.repeat_interleave(repeats, dim=1)  # K itself needs no copy
     return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
 
 
