@@ -45,6 +45,13 @@ def _scale_from(amax, non_finite, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _non_finite(x, AXIS: tl.constexpr):
+    # Which groups (AXIS reduced) hold a NaN or an infinity: tl.max may drop NaN (GPU max.f32
+    # does), so they are counted rather than read off the maximum.
+    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=AXIS) > 0
+
+
+@triton.jit
 def _codes_from(x, scale, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr):
     scale = scale.to(tl.float32)
     safe = tl.where((scale == 0) | (scale != scale), 1.0, scale)
@@ -197,8 +204,7 @@ def _quantize_token_kernel(
     ).to(tl.float32)
 
     groups = tl.reshape(x, [BLOCK_S, N_GROUPS, GROUP])
-    # tl.max may drop NaN (GPU max.f32 does), so non-finite groups are found separately.
-    non_finite = tl.max(((groups != groups) | (tl.abs(groups) == float("inf"))).to(tl.int32), axis=2) > 0
+    non_finite = _non_finite(groups, 2)
     offs_g = tl.arange(0, N_GROUPS)
     scale_ptrs = SC + b * stride_sb + h * stride_sh + offs_s[:, None] * stride_ss + offs_g[None, :] * stride_sg
     scale_mask = row_ok[:, None] & (offs_g[None, :] < n_groups)
@@ -234,8 +240,7 @@ def _quantize_token_kernel(
         # is exact in fp32, so the error is one rounding however it is computed (symmetric grids only).
         error = x - codes.to(tl.float32) * scale_per_elem.to(tl.float32)
         error_groups = tl.reshape(error, [BLOCK_S, N_GROUPS, GROUP])
-        error_non_finite = tl.max(((error_groups != error_groups) | (tl.abs(error_groups) == float("inf"))).to(tl.int32),
-                                  axis=2) > 0  # fmt: skip
+        error_non_finite = _non_finite(error_groups, 2)
         if CLIP:
             fine_scale = _clipped_scale(error_groups, error_non_finite, QMAX, 2)
         else:
@@ -276,7 +281,7 @@ def _quantize_channel_kernel(
         other=0.0,
     ).to(tl.float32)
 
-    non_finite = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0) > 0
+    non_finite = _non_finite(x, 0)
     scale_ptrs = SC + b * stride_sb + h * stride_sh + group_idx * stride_ss + offs_d * stride_sd
     if ASYM:
         scale, zero = _asym_params(tl.min(x, axis=0), tl.max(x, axis=0), non_finite, QMAX)
@@ -356,7 +361,7 @@ def quantize_refined(
     """:func:`quantize` of ``x`` and, in the same launch, the second code plane of its newest
     ``min(S, spec.refine)`` tokens (their error, quantized to nearest): ``(codes, scales, fine_codes,
     fine_scales)`` exactly as :func:`kvpass.reference.encode_refined` of the stored form ``x``. A decode
-    step's append is one launch instead of the ten of quantizing, dequantizing and quantizing again.
+    step's append is one launch instead of the ten or so of quantizing, dequantizing and quantizing again.
     Symmetric per-token groups only (the error of an asymmetric grid's code is two roundings, which a
     GPU may fuse into one). ``out``, as :func:`quantize`'s, receives all four."""
     if spec.scheme != "token" or not spec.symmetric or not spec.refine:

@@ -931,14 +931,8 @@ def second_plane(stored: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     ``spec.refined_tokens(S, D)``), quantized."""
     S = stored.shape[2]
     n_fine = spec.refined_tokens(S, stored.shape[-1]) if n_fine is None else n_fine
-    return _error_plane(stored, codes, scales, spec, S - n_fine)
-
-
-def _error_plane(stored, codes, scales, spec: QuantSpec, first, quantizer=quantize):
-    """The quantization error of tokens ``first ..`` of ``stored`` (their ``codes``/``scales`` given), quantized."""
-    newest = slice(first, stored.shape[2])
-    error = stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec)
-    return quantizer(error, spec)
+    newest = slice(S - n_fine, S)
+    return quantize(stored[:, :, newest].float() - dequantize(codes[:, :, newest], scales[:, :, newest], spec), spec)
 
 
 def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset: torch.Tensor | None = None,
@@ -951,15 +945,16 @@ def encode_refined(x: torch.Tensor, spec: QuantSpec, quantizer=quantize, offset:
     """
     stored = stored_form(x, spec, offset)
     T = x.shape[2]
-    first = T - min(T, spec.refine)
-    if quantizer is not quantize:
+    newest = slice(T - min(T, spec.refine), T)
+    if quantizer is quantize:
+        # The reference has the codes before packing them: the error needs no unpacking.
+        values, scales = _quantized(stored, spec, rounding)
+        codes = pack_codes(values, spec.bits, spec.symmetric)
+        decoded = _scaled(values[:, :, newest].float(), scales[:, :, newest], spec)
+    else:
         codes, scales = quantizer(stored, spec) if rounding is None else quantizer(stored, spec, rounding)
-        return codes, scales, *_error_plane(stored, codes, scales, spec, first, quantizer)
-    # Here the codes are at hand before packing: the error needs no unpacking (fewer ops a decode step).
-    values, scales = _quantized(stored, spec, rounding)
-    newest = slice(first, T)
-    error = stored[:, :, newest].float() - _scaled(values[:, :, newest].float(), scales[:, :, newest], spec)
-    return pack_codes(values, spec.bits, spec.symmetric), scales, *quantize(error, spec)
+        decoded = dequantize(codes[:, :, newest], scales[:, :, newest], spec)
+    return codes, scales, *quantizer(stored[:, :, newest].float() - decoded, spec)
 
 
 # --- attention -------------------------------------------------------------------------
