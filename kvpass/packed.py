@@ -534,8 +534,9 @@ def _grow(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     row_bytes = past.stride(2) * past.element_size()
     storage = past.untyped_storage()
     if storage.nbytes() < (end + new.shape[2]) * row_bytes:
-        _release_freed_heap(past.device)
-        storage.resize_(_capacity(end + new.shape[2]) * row_bytes)
+        nbytes = _capacity(end + new.shape[2]) * row_bytes
+        _release_freed_heap(past.device, nbytes)
+        storage.resize_(nbytes)
     shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
     out = past.as_strided(shape, past.stride(), past.storage_offset())
     out[:, :, past.shape[2] :].copy_(new)
@@ -551,15 +552,23 @@ def _malloc_trim():
         return None
 
 
-def _release_freed_heap(device: torch.device) -> None:
-    """Before allocating a storage as large as a cache's: hand the heap's free pages back to the OS.
+# Storages smaller than this regrow without trimming the heap first: a trim walks the whole heap
+# (4-8 ms in a SmolLM2 process), and a model's layers regrow on the same decode step, so trimming
+# before each of SmolLM2's 120 small storages stalled that step by 0.9 s (docs/bench-memory.md),
+# for copies too small to set the process's peak.
+TRIM_MIN_BYTES = 4 * 2**20
+
+
+def _release_freed_heap(device: torch.device, nbytes: int) -> None:
+    """Before allocating a storage of ``nbytes`` as large as a cache's: hand the heap's free pages back
+    to the OS.
 
     glibc keeps freed heap memory resident, and after freeing a large storage it serves more of the
     per-step temporaries from its heap (its mmap threshold rises to that size). A regrowth's copy
     then lands on top of that retained memory; trimming first keeps the copy the only addition to
     the process's peak (``docs/bench-memory.md``: 162-176 MiB instead of 176-196 MiB at 16K, batch
-    4). A few microseconds, once per regrowth."""
-    trim = _malloc_trim() if device.type == "cpu" else None
+    4). Only for storages of at least ``TRIM_MIN_BYTES``, on CPU."""
+    trim = _malloc_trim() if device.type == "cpu" and nbytes >= TRIM_MIN_BYTES else None
     if trim is not None:
         trim(0)
 
@@ -567,8 +576,9 @@ def _release_freed_heap(device: torch.device) -> None:
 def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``cat([past, new], dim=2)`` in a fresh sequence-major storage with spare rows."""
     length = past.shape[2] + new.shape[2]
-    _release_freed_heap(past.device)
-    rows = past.new_empty((_capacity(length), *past.shape[:2], *past.shape[3:]))
+    shape = (_capacity(length), *past.shape[:2], *past.shape[3:])
+    _release_freed_heap(past.device, math.prod(shape) * past.element_size())
+    rows = past.new_empty(shape)
     out = rows.movedim(0, 2)[:, :, :length]
     out[:, :, : past.shape[2]].copy_(past)
     out[:, :, past.shape[2] :].copy_(new)

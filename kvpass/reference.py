@@ -896,8 +896,9 @@ def _refined(deq: torch.Tensor, fine_codes, fine_scales, spec: QuantSpec, start:
     if lo >= hi:
         return deq
     rows = slice(lo - fine_start, hi - fine_start)
-    correction = dequantizer(fine_codes[:, :, rows], fine_scales[:, :, rows], spec)
-    return torch.cat([deq[:, :, : lo - start], deq[:, :, lo - start :] + correction], dim=2)
+    # In place: every caller hands over a block it has just dequantized.
+    deq[:, :, lo - start :] += dequantizer(fine_codes[:, :, rows], fine_scales[:, :, rows], spec)
+    return deq
 
 
 def quantize_dequantize(x: torch.Tensor, spec: QuantSpec, offset: torch.Tensor | None = None,

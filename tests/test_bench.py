@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -29,6 +30,23 @@ def test_memory_kv4_stores_about_a_quarter_of_fp16():
     v_tokens = (130 + 16) * 4.25 / 16
     assert kv4["ratio_fp16"] == pytest.approx((k_tokens + v_tokens) / (2 * 130))
     assert kv4["peak_rss_mib"] >= kv4["warm_rss_mib"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="the peak is reset through Linux's /proc")
+def test_memory_growth_holds_the_whole_cache_after_a_larger_warm_up():
+    # The warm-up (3 chunks of 512 tokens, a 6 MiB cache) peaks above the baseline; a high-water
+    # mark read after it hid most of the fill's cache (8 MiB) below it.
+    fp16 = memory.measure("fp16", ctx=2048, batch=1, decode=1, chunk=512, sizes=TINY)
+    assert fp16["baseline"] == "resident set before the fill"
+    assert fp16["growth_mib"] * 2**20 >= fp16["stored_bytes"] == 2049 * 4096
+
+
+def test_memory_compiles_every_graph_before_its_baseline():
+    # A chunk longer than 64 tokens (the warm-up's chunk before) compiled two graphs while measuring.
+    kv4 = memory.measure("kv4", ctx=288, batch=1, decode=2, chunk=96, sizes=TINY)
+    torch._dynamo.reset()
+    assert kv4["graphs_compiled"] == 0 and kv4["tokens"] == 290
+    assert "(1 graphs compiled in it)" in memory.format_table([dict(kv4, graphs_compiled=1)])
 
 
 def test_memory_subprocess_and_table(tmp_path):
@@ -112,6 +130,16 @@ def test_cli_arguments_parse():
         args = parser.parse_args(["--contexts", "64,1K", "--long"])
         assert args.long and args.contexts == [64, 1024]
         assert parser.parse_args([]).contexts == [1024, 4096]  # argparse parses a string default too
+
+
+def test_memory_checks_every_cache_name_before_running_any(monkeypatch):
+    ran = []
+    monkeypatch.setattr(memory, "measure_in_subprocess", lambda *args, **kwargs: ran.append(args))
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    with pytest.raises(ValueError, match="unknown cache 'fp8'"):
+        memory.run(parser.parse_args(["--caches", "fp16,fp8", "--no-progress"]))
+    assert ran == []
 
 
 def test_append_grid_times_every_method_and_amortizes_the_growable_cache():

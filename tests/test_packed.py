@@ -887,6 +887,27 @@ def test_regrowth_can_return_freed_heap_memory_on_glibc():
     assert packed._malloc_trim() is not None
 
 
+def test_only_storages_of_at_least_trim_min_bytes_trim_the_heap_before_growing(monkeypatch):
+    # A trim walks the whole heap (milliseconds); every layer of a model regrows on the same step.
+    trims = []
+    monkeypatch.setattr(packed, "_malloc_trim", lambda: trims.append)
+    spec = QuantSpec(4, "token", 64)
+    small = PackedKV.from_float(torch.randn(1, 2, 8, 64), spec)
+    for _ in range(packed.MIN_SPARE_ROWS + 1):  # past its spare rows: one regrowth
+        small = small.append(torch.randn(1, 2, 1, 64))
+    assert small.codes.untyped_storage().nbytes() > packed.MIN_SPARE_ROWS * small.codes.stride(2)
+    assert trims == []
+    # A first append whose codes storage (with its spare rows) reaches the threshold trims once
+    # before allocating it; the scales' storage, 32x smaller, does not.
+    tokens = packed.TRIM_MIN_BYTES // (16 * 32) * 8 // 9 + 1
+    large = PackedKV.from_float(torch.randn(1, 16, tokens, 64), spec)
+    assert large.codes.untyped_storage().nbytes() >= packed.TRIM_MIN_BYTES
+    assert large.scales.untyped_storage().nbytes() < packed.TRIM_MIN_BYTES
+    assert trims == [0]
+    packed._release_freed_heap(torch.device("meta"), packed.TRIM_MIN_BYTES)
+    assert trims == [0]
+
+
 LONG_PREFIX = dataclasses.replace(DEFERRED, prefix_tokens=160)
 
 

@@ -1,13 +1,15 @@
 """``kvpass bench memory``: stored KV bytes per token and peak process memory against context.
 
 Each configuration (cache kind x context x batch) runs in a fresh Python subprocess, so its
-peak resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the kernel's high-water
-mark) belongs to it alone. In the subprocess: build the KV-dominated random-weight Llama of
-:mod:`kvpass.bench`, warm up (compile, for kv4) on a short sequence, read the high-water
-mark, then fill a fresh cache to the context in chunks of 256 tokens and decode a few
-tokens, and read it again. Reported: the bytes the cache stores (counted from its tensors),
-per token and as a fraction of fp16; the peak RSS; and the peak's growth over the
-warm-up mark (cache + transients).
+memory belongs to it alone. In the subprocess: build the KV-dominated random-weight Llama of
+:mod:`kvpass.bench`, warm up (compile, for kv4) on the chunk sizes the measurement uses, collect
+garbage and hand freed heap memory back to the OS (glibc's ``malloc_trim``), read the resident set
+and reset the kernel's high-water mark to it (``/proc/self/clear_refs``), then fill a fresh cache to
+the context in chunks of 256 tokens and decode a few tokens, and read the high-water mark.
+Reported: the bytes the cache stores (counted from its tensors), per token and as a fraction of
+fp16; the peak resident set while filling and decoding; and its growth over the resident set
+before (cache + transients). Where the mark cannot be reset (no ``/proc``), both are
+``ru_maxrss``, whose baseline then includes the warm-up's own peak.
 """
 
 from __future__ import annotations
@@ -32,11 +34,38 @@ def _maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _status_mib(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in MiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _resident_baseline_mib() -> float | None:
+    """The resident set with freed heap memory handed back, the high-water mark reset to it; None
+    where the mark cannot be reset. A warm-up's peak (compiling, for kv4) left in the mark would hide
+    the fill's first megabytes under it: 21 MiB of growth for a 34 MiB cache at 16K, batch 1."""
+    from kvpass import packed
+
+    trim = packed._malloc_trim()
+    if trim is not None:
+        trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # the kernel's code for resetting the peak resident set size
+        return _status_mib("VmRSS")
+    except OSError:
+        return None
+
+
 def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256, sizes: dict | None = None) -> dict:
     """One configuration, measured in this process (call it in a fresh one for a clean peak)."""
     import gc
 
     import torch
+    from torch._dynamo.utils import counters
 
     from kvpass import bench
 
@@ -44,19 +73,24 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     model = bench.build_model(dtype, **(sizes or {}))
     step, new_cache = bench.stepper(model, how)
     vocab = model.config.vocab_size
-    # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, decode steps).
-    warm = bench.fill(step, new_cache(), batch, 3 * min(chunk, 64), chunk=min(chunk, 64), vocab=vocab)
+    # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, the last shorter chunk,
+    # decode steps) at the measured sizes, so no graph compiles while measuring: Dynamo's memory
+    # would count as the cache's (64-token warm-up chunks put 80 MiB of it in the 16K batch-4 growth).
+    warm = bench.fill(step, new_cache(), batch, 3 * chunk + ctx % chunk, chunk=chunk, vocab=vocab)
     for _ in range(3):
         warm = bench.decode_step(step, warm, batch)
     del warm
     gc.collect()
-    base = _maxrss_mib()
+    base = _resident_baseline_mib()
+    resettable = base is not None
+    base = base if resettable else _maxrss_mib()
+    graphs = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     cache_obj = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
     for _ in range(decode):
         cache_obj = bench.decode_step(step, cache_obj, batch)
     seconds = time.perf_counter() - t0
-    peak = _maxrss_mib()
+    peak = _status_mib("VmHWM") if resettable else _maxrss_mib()
     tokens = batch * (ctx + decode)
     stored = bench.stored_bytes(cache_obj)
     fp16 = bench.fp16_bytes_per_token(model.config) * tokens
@@ -64,7 +98,8 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
         cache=cache, ctx=ctx, batch=batch, decode=decode, tokens=tokens, stored_bytes=stored,
         bytes_per_token=stored / tokens, fp16_bytes=fp16, ratio_fp16=stored / fp16,
         peak_rss_mib=peak, warm_rss_mib=base, growth_mib=peak - base, seconds=seconds,
-        threads=torch.get_num_threads(),
+        threads=torch.get_num_threads(), graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
+        baseline="resident set before the fill" if resettable else "ru_maxrss after the warm-up",
     )  # fmt: skip
 
 
@@ -94,7 +129,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines.append([
             r["cache"], str(r["batch"]), str(r["ctx"]), f"{r['stored_bytes'] / 2**20:,.1f} MiB",
             f"{r['bytes_per_token']:,.0f}", f"{r['ratio_fp16']:.3f}", f"{r['peak_rss_mib']:,.0f} MiB",
-            f"{r['growth_mib']:,.0f} MiB", f"{r['seconds']:.1f}",
+            f"{r['growth_mib']:,.0f} MiB" + (f" ({n} graphs compiled in it)" if (n := r.get("graphs_compiled")) else ""),
+            f"{r['seconds']:.1f}",
         ])  # fmt: skip
     return render_table(header, lines, markdown)
 
@@ -145,25 +181,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
     parser.add_argument("--plot", metavar="PNG", help="plot memory against context here")
+    parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args) -> int:
+    from tqdm.auto import tqdm
+
     from kvpass import bench
 
     contexts = args.contexts + ([16384] if args.long else [])
     sizes = dict(hidden=args.hidden, layers=args.layers)
-    rows = []
-    t0 = time.perf_counter()
-    for cache in [c.strip() for c in args.caches.split(",") if c.strip()]:
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    for cache in caches:  # before the first configuration: a 16K run takes minutes
         if cache not in bench.CACHES:
             raise ValueError(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
-        for batch in args.batches:
-            for ctx in contexts:
-                row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout)
-                rows.append(row)
-                print(f"  {cache} batch {batch} ctx {ctx}: " + (row.get("error") or
-                      f"{row['bytes_per_token']:,.0f} B/token ({row['ratio_fp16']:.3f}x fp16), "
-                      f"peak {row['peak_rss_mib']:,.0f} MiB"), file=sys.stderr, flush=True)  # fmt: skip
+    rows = []
+    t0 = time.perf_counter()
+    jobs = [(cache, batch, ctx) for cache in caches for batch in args.batches for ctx in contexts]
+    for cache, batch, ctx in (bar := tqdm(jobs, disable=args.no_progress, file=sys.stderr, desc="memory")):
+        row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout)
+        rows.append(row)
+        bar.write(f"  {cache} batch {batch} ctx {ctx}: " + (row.get("error") or
+                  f"{row['bytes_per_token']:,.0f} B/token ({row['ratio_fp16']:.3f}x fp16), "
+                  f"peak {row['peak_rss_mib']:,.0f} MiB"), file=sys.stderr)  # fmt: skip
     elapsed = time.perf_counter() - t0
     table = format_table(rows)
     print(table)
