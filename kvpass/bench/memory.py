@@ -75,7 +75,7 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     vocab = model.config.vocab_size
     # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, the last shorter chunk,
     # decode steps) at the measured sizes, so no graph compiles while measuring: Dynamo's memory
-    # would count as the cache's (64-token warm-up chunks put 80 MiB of it in the 16K batch-4 growth).
+    # would count as the cache's (64-token warm-up chunks left two graphs to the 16K fill of 256-token ones).
     warm = bench.fill(step, new_cache(), batch, 3 * chunk + ctx % chunk, chunk=chunk, vocab=vocab)
     for _ in range(3):
         warm = bench.decode_step(step, warm, batch)
@@ -159,7 +159,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("KV-dominated Llama (2 layers, 8 KV heads x 128): peak RSS growth over warm-up, and stored KV")
+    fig.suptitle("KV-dominated Llama (2 layers, 8 KV heads x 128): peak RSS growth over the resident set before "
+                 "the fill, and stored KV")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,0 +1,70 @@
+"""Decode steps slower than the rest: SmolLM2 compiled with kv4, a prompt of ``--context`` KJV tokens,
+then ``--steps`` greedy decode steps, each timed, with the heap trims (glibc's ``malloc_trim``, which
+a cache storage's regrowth may run first: ``packed._release_freed_heap``) counted and timed. Medians
+hide a step on which every layer's storages regrow at once; this prints the median, the slowest
+step, and every step over 1.5x the median with the trims it ran.
+
+    python benchmarks/decode_stalls.py [--context 1000] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from kvpass import packed, text_data
+from kvpass.models_zoo.real_model import load_model
+
+trims = []  # seconds of each trim
+
+
+def counted_trim():
+    """``packed._malloc_trim`` whose trims are timed into ``trims``."""
+    trim = counted_trim.real()
+    if trim is None:
+        return None
+
+    def timed(pad):
+        start = time.perf_counter()
+        result = trim(pad)
+        trims.append(time.perf_counter() - start)
+        return result
+
+    return timed
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    counted_trim.real, packed._malloc_trim = packed._malloc_trim, counted_trim
+    model, tokenizer = load_model("smollm2", torch.float32)
+    prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
+    forward = torch.compile(model, backend="kv4")
+    cache = DynamicCache()
+    token = forward(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    print(f"prefill of {prompt.shape[1]} tokens: {len(trims)} trims, {1e3 * sum(trims):.0f} ms")
+    for _ in range(3):  # the decode graphs compile
+        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    steps = []
+    for _ in range(args.steps):
+        before = len(trims)
+        start = time.perf_counter()
+        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        steps.append((1e3 * (time.perf_counter() - start), trims[before:]))
+    median = statistics.median(ms for ms, _ in steps)
+    print(f"{args.steps} decode steps after {prompt.shape[1] + 4} tokens, {torch.get_num_threads()} threads: "
+          f"median {median:.1f} ms, slowest {max(ms for ms, _ in steps):.1f} ms")  # fmt: skip
+    for i, (ms, ran) in enumerate(steps):
+        if ms > 1.5 * median:
+            print(f"  step {i}: {ms:.1f} ms, {len(ran)} trims taking {1e3 * sum(ran):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
