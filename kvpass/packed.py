@@ -560,14 +560,13 @@ TRIM_MIN_BYTES = 4 * 2**20
 
 
 def _release_freed_heap(device: torch.device, nbytes: int) -> None:
-    """Before allocating a storage of ``nbytes`` as large as a cache's: hand the heap's free pages back
-    to the OS.
+    """Before allocating a cache storage of ``nbytes``: hand the heap's free pages back to the OS.
 
     glibc keeps freed heap memory resident, and after freeing a large storage it serves more of the
     per-step temporaries from its heap (its mmap threshold rises to that size). A regrowth's copy
     then lands on top of that retained memory; trimming first keeps the copy the only addition to
-    the process's peak (``docs/bench-memory.md``: 162-176 MiB instead of 176-196 MiB at 16K, batch
-    4). Only for storages of at least ``TRIM_MIN_BYTES``, on CPU."""
+    the process's peak (``docs/bench-memory.md``, 2026-11-30: 162-176 MiB instead of 176-196 MiB at
+    16K, batch 4). Only for storages of at least ``TRIM_MIN_BYTES``, on CPU."""
     trim = _malloc_trim() if device.type == "cpu" and nbytes >= TRIM_MIN_BYTES else None
     if trim is not None:
         trim(0)

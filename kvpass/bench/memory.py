@@ -129,7 +129,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
         lines.append([
             r["cache"], str(r["batch"]), str(r["ctx"]), f"{r['stored_bytes'] / 2**20:,.1f} MiB",
             f"{r['bytes_per_token']:,.0f}", f"{r['ratio_fp16']:.3f}", f"{r['peak_rss_mib']:,.0f} MiB",
-            f"{r['growth_mib']:,.0f} MiB" + (f" ({n} graphs compiled in it)" if (n := r.get("graphs_compiled")) else ""),
+            f"{r['growth_mib']:,.0f} MiB" + (f" ({n} graph{'s' * (n > 1)} compiled in it)" if (n := r.get("graphs_compiled")) else ""),
             f"{r['seconds']:.1f}",
         ])  # fmt: skip
     return render_table(header, lines, markdown)
