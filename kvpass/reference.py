@@ -713,7 +713,7 @@ ROUNDING_BLOCK = 4
 # Tokens whose channels the CPU reference rounds at once: each block step passes over all of them,
 # and a prompt's values in fp64 would outgrow the caches (256 at a time: the rounded quantize of a
 # 2K-token prompt on 8 KV heads of 128 in half the time). Tokens round independently, so the codes
-# do not depend on it.
+# do not depend on it. Also the tokens whose queries rounding_coefficients takes at once.
 ROUNDING_TOKENS = 256
 
 
@@ -735,24 +735,45 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     nothing, and are left out."""
     B, Hq, T, D = query.shape
     g = spec.token_group(D)
-    q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
-    if pads is not None:
-        q = q * (torch.arange(T, device=q.device) + seen >= pads[:, None])[:, None, :, None]
-    q = ((rotator or rotate)(q) if spec.rotate else q).double()
-    q = q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
-    n = q.shape[-2]
+    n = Hq // kv_heads * T
+    if n * 8 <= g:  # a decode step's few queries: H is a low-rank update of a multiple of I
+        rows = _grouped_queries(query, kv_heads, query_scales, spec, rotator, pads, seen)
+        squares = rows.pow(2).sum((-2, -1))
+    else:
+        # In fp64 a prompt's queries take 8 bytes a value, several copies at once: q^T q and the
+        # squares are summed ROUNDING_TOKENS tokens at a time, so memory does not grow with the prompt.
+        squares = gram = 0
+        for start in range(0, T, ROUNDING_TOKENS):
+            part = _grouped_queries(query[:, :, start : start + ROUNDING_TOKENS], kv_heads, query_scales, spec,
+                                    rotator, pads, seen + start)  # fmt: skip
+            squares = squares + part.pow(2).sum((-2, -1))
+            gram = gram + part.mT @ part
     # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
     # its mean diagonal (GPTQ's ratios do not change when H is scaled). Squares of fp32 values cannot
     # overflow fp64, so the sum is finite exactly when every query is; an unusable group gets H = I,
     # which shares nothing.
-    damping = ROUNDING_DAMPING * q.pow(2).sum((-2, -1)) / g
+    damping = ROUNDING_DAMPING * squares / g
     usable = torch.isfinite(damping) & (damping > 0)
-    rows = torch.where(usable[..., None, None], q, 0.0)
     damping = torch.where(usable, damping, 1.0)
-    # A decode step's few queries make H a low-rank update of a multiple of I; a prefill's many do not.
-    ratios = _gptq_ratios_low_rank(rows, damping) if n * 8 <= g else _gptq_ratios(rows, damping)
+    if n * 8 <= g:
+        ratios = _gptq_ratios_low_rank(torch.where(usable[..., None, None], rows, 0.0), damping)
+    else:
+        ratios = _gptq_ratios(torch.where(usable[..., None, None], gram, 0.0), damping)
     shares = ratios.mul_(_later_blocks(g, query.device)).round_()
     return shares.clamp_(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
+
+
+def _grouped_queries(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None, spec: QuantSpec,
+                     rotator, pads, seen: int) -> torch.Tensor:  # fmt: skip
+    """:func:`rounding_coefficients`' queries ``[B, Hq, T, D]`` as they read the stored keys, in fp64,
+    grouped as the keys' token groups: ``[B, kv_heads, D // g, Hq // kv_heads * T, g]``."""
+    B, Hq, T, D = query.shape
+    g = spec.token_group(D)
+    q = by_query_scales(query.float(), query_scales, -1)  # the query that reads the stored (scaled) key
+    if pads is not None:
+        q = q * (torch.arange(T, device=q.device) + seen >= pads[:, None])[:, None, :, None]
+    q = ((rotator or rotate)(q) if spec.rotate else q).double()
+    return q.reshape(B, kv_heads, Hq // kv_heads, T, D // g, g).permute(0, 1, 4, 2, 3, 5).reshape(B, kv_heads, D // g, -1, g)
 
 
 def _later_blocks(g: int, device: torch.device) -> torch.Tensor:
@@ -762,12 +783,12 @@ def _later_blocks(g: int, device: torch.device) -> torch.Tensor:
     return (block[:, None] < block[None, :]).double() * 2.0**ROUNDING_BITS
 
 
-def _gptq_ratios(rows: torch.Tensor, damping: torch.Tensor) -> torch.Tensor:
-    """GPTQ's update ratios ``U[i, j] / U[i, i]`` for ``H = rows^T rows + damping * I`` (``rows
-    [..., n, g]``, ``damping [...]``), ``U`` the upper Cholesky factor of ``H^-1``: ``[..., g, g]``."""
-    g = rows.shape[-1]
-    eye = torch.eye(g, dtype=torch.float64, device=rows.device)
-    hessian = rows.mT @ rows + damping[..., None, None] * eye
+def _gptq_ratios(gram: torch.Tensor, damping: torch.Tensor) -> torch.Tensor:
+    """GPTQ's update ratios ``U[i, j] / U[i, i]`` for ``H = gram + damping * I`` (``gram [..., g, g]``,
+    the queries' ``rows^T rows``; ``damping [...]``), ``U`` the upper Cholesky factor of ``H^-1``:
+    ``[..., g, g]``."""
+    eye = torch.eye(gram.shape[-1], dtype=torch.float64, device=gram.device)
+    hessian = gram + damping[..., None, None] * eye
     # U is the inverse of the lower factor of H with the channel order reversed, reversed back: one
     # factorization and one triangular solve. H is positive definite by construction, so the
     # factorization needs no check (which would sync a GPU).

@@ -658,6 +658,22 @@ def test_a_long_append_rounds_each_token_as_it_would_alone():
     assert not torch.equal(codes, R.quantize(x, QUERY_ROUNDED)[0])
 
 
+def test_a_prompts_rounding_shares_are_summed_a_slice_at_a_time_and_equal_the_whole_prompts(monkeypatch):
+    """A 600-token prompt's queries (and pads, and query scales) reach the fp64 Hessian
+    ``ROUNDING_TOKENS`` at a time, so its memory does not grow with the prompt; the shares are those
+    of the whole prompt at once (fp64 sums in another order, then rounded to integers)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 600, 64, generator=gen) * torch.rand(1, 1, 1, 64, generator=gen) * 3
+    scales, pads = (torch.rand(2, 2, 1, 64, generator=gen) + 0.5).half(), torch.tensor([0, 170])
+    sizes, grouped = [], R._grouped_queries
+    monkeypatch.setattr(R, "_grouped_queries", lambda query, *a: sizes.append(query.shape[2]) or grouped(query, *a))
+    sliced = R.rounding_coefficients(q, 2, scales, QUERY_ROUNDED, pads=pads, seen=5)
+    assert sizes == [256, 256, 88]
+    monkeypatch.setattr(R, "ROUNDING_TOKENS", 600)
+    whole = R.rounding_coefficients(q, 2, scales, QUERY_ROUNDED, pads=pads, seen=5)
+    assert sizes[3:] == [600] and torch.equal(sliced, whole) and whole.abs().max() > 0
+
+
 @pytest.mark.parametrize("n, g", [(1, 64), (3, 64), (8, 64), (4, 32), (2, 256)])
 def test_gptq_ratios_of_few_queries_are_the_cholesky_ratios(n, g):
     """A decode step's few queries take the low-rank route to GPTQ's ratios; above the diagonal (all
@@ -665,7 +681,7 @@ def test_gptq_ratios_of_few_queries_are_the_cholesky_ratios(n, g):
     gen = torch.Generator().manual_seed(n * g)
     rows = (torch.randn(3, 2, n, g, generator=gen) * torch.rand(3, 1, 1, g, generator=gen) * 4).double()
     damping = rows.pow(2).sum((-2, -1)) / (n * g)
-    low_rank, full = R._gptq_ratios_low_rank(rows, damping), R._gptq_ratios(rows, damping)
+    low_rank, full = R._gptq_ratios_low_rank(rows, damping), R._gptq_ratios(rows.mT @ rows, damping)
     above = torch.ones(g, g, dtype=torch.bool).triu(1)
     torch.testing.assert_close(low_rank[..., above], full[..., above], rtol=1e-9, atol=1e-12)
     assert full[..., above].abs().max() > 0.1  # the queries' few directions give real shares
