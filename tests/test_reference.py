@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from kvpass import ops
 from kvpass import reference as R
 from kvpass.config import ROUNDED_APPEND_TOKENS, KVConfig, QuantSpec
 
@@ -672,6 +673,21 @@ def test_a_prompts_rounding_shares_are_summed_a_slice_at_a_time_and_equal_the_wh
     monkeypatch.setattr(R, "ROUNDING_TOKENS", 600)
     whole = R.rounding_coefficients(q, 2, scales, QUERY_ROUNDED, pads=pads, seen=5)
     assert sizes[3:] == [600] and torch.equal(sliced, whole) and whole.abs().max() > 0
+
+
+def test_a_traced_prompt_length_stays_symbolic_in_the_rounding_shares():
+    """Traced with a symbolic length (as an aot_eager or inductor inner compiler traces an append), a
+    prompt's queries are one slice: a loop over the length fixed the traced slices to the first
+    prompt's (and recompiled a model for every prompt length)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randn(1, 4, T, 64, generator=gen) for T in (300, 310, 530)]
+    # ops.rotate, as an append passes it: a traced graph holds no Hadamard matrix as a constant.
+    traced = make_fx(lambda q: R.rounding_coefficients(q, 2, None, QUERY_ROUNDED, ops.rotate),
+                     tracing_mode="symbolic")(prompts[0])  # fmt: skip
+    for q in prompts:
+        assert torch.equal(traced(q), R.rounding_coefficients(q, 2, None, QUERY_ROUNDED))
 
 
 @pytest.mark.parametrize("n, g", [(1, 64), (3, 64), (8, 64), (4, 32), (2, 256)])
