@@ -10,6 +10,7 @@ step, and every step over 1.5x the median with the trims it ran.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -22,19 +23,12 @@ from kvpass.models_zoo.real_model import load_model
 trims = []  # seconds of each trim
 
 
-def counted_trim():
-    """``packed._malloc_trim`` whose trims are timed into ``trims``."""
-    trim = counted_trim.real()
-    if trim is None:
-        return None
-
-    def timed(pad):
-        start = time.perf_counter()
-        result = trim(pad)
-        trims.append(time.perf_counter() - start)
-        return result
-
-    return timed
+def timed_trim(trim, pad: int) -> int:
+    """glibc's ``trim(pad)``, its seconds appended to ``trims``."""
+    start = time.perf_counter()
+    result = trim(pad)
+    trims.append(time.perf_counter() - start)
+    return result
 
 
 @torch.no_grad()
@@ -43,7 +37,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    counted_trim.real, packed._malloc_trim = packed._malloc_trim, counted_trim
+    trim = packed._malloc_trim()
+    if trim is not None:
+        packed._malloc_trim = lambda: functools.partial(timed_trim, trim)
     model, tokenizer = load_model("smollm2", torch.float32)
     prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
     forward = torch.compile(model, backend="kv4")

@@ -554,7 +554,7 @@ def _malloc_trim():
 
 # Storages smaller than this regrow without trimming the heap first: a trim walks the whole heap
 # (4-8 ms in a SmolLM2 process), and a model's layers regrow on the same decode step, so trimming
-# before each of SmolLM2's 120 small storages stalled that step by 0.6-0.9 s (docs/bench-memory.md),
+# before each of SmolLM2's 120 small storages stalled that step by 0.6 s (docs/bench-memory.md),
 # for copies too small to set the process's peak.
 TRIM_MIN_BYTES = 4 * 2**20
 

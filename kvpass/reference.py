@@ -743,11 +743,10 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
         # In fp64 a prompt's queries take 8 bytes a value, several copies at once: q^T q and the
         # squares are summed ROUNDING_TOKENS tokens at a time, so memory does not grow with the prompt.
         # A traced graph's symbolic length takes one slice: a loop over it would specialise the graph.
-        size = ROUNDING_TOKENS if isinstance(T, int) else T
+        slices = query.split(ROUNDING_TOKENS, dim=2) if isinstance(T, int) else (query,)
         squares = gram = 0
-        for start in range(0, T, size) if isinstance(T, int) else [0]:
-            part = _grouped_queries(query[:, :, start : start + size], kv_heads, query_scales, spec, rotator,
-                                    pads, seen + start)  # fmt: skip
+        for i, part in enumerate(slices):
+            part = _grouped_queries(part, kv_heads, query_scales, spec, rotator, pads, seen + i * ROUNDING_TOKENS)
             squares = squares + part.pow(2).sum((-2, -1))
             gram = gram + part.mT @ part
     # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
