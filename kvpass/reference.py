@@ -200,9 +200,9 @@ def clip_divisors(qmax: int) -> tuple[float, ...]:
 # a group is exact and the choice cannot depend on the order a kernel adds them in.
 CLIP_ERROR_UNIT = 2.0**20
 # Elements of the [groups, candidates, group size] error tensor built at once: its few fp32
-# temporaries stay near 1 MiB each (a prefill chunk at 2**22 held over 100 MiB at its peak),
-# and slices this size also run faster on CPU than larger ones.
-CLIP_SLICE_ELEMENTS = 2**18
+# temporaries stay near 0.5 MiB each (a prefill chunk at 2**22 held over 100 MiB at its peak; a slice
+# of QUANTIZE_SLICE_ELEMENTS peaked at 5.7 MiB with 2**18, 3.2 MiB with 2**17, in about the same time).
+CLIP_SLICE_ELEMENTS = 2**17
 
 
 def _clipped(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,8 +404,22 @@ def quantize(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = N
     return pack_codes(codes, spec.bits, spec.symmetric), scales
 
 
+# Elements of a per-token ``x`` that one pass of :func:`_quantized` takes: longer appends are searched,
+# rounded and coded a slice of tokens at a time (tokens are independent, so the codes do not depend
+# on it), which keeps the pass's fp32 and fp64 temporaries (~35 bytes an element when rounding against
+# queries) near 2 MiB whatever the append's length and batch. A 256-token prefill chunk of 4 sequences
+# on 8 heads of 128 held 35 MiB in one pass, the largest transient of kvpass bench memory's fill.
+QUANTIZE_SLICE_ELEMENTS = 2**16
+
+
 def _quantized(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize` with the codes not yet packed: integers ``[B, H, S, D]``."""
+    B, H, S, D = x.shape
+    per_slice = max(1, QUANTIZE_SLICE_ELEMENTS // (B * H * D))
+    if spec.scheme == "token" and S > per_slice:
+        rounding = None if rounding is None else rounding.double()  # as _rounded_codes takes it, once
+        parts = zip(*(_quantized(part, spec, rounding) for part in x.split(per_slice, dim=2)))
+        return tuple(torch.cat(part, dim=2) for part in parts)
     if not spec.symmetric:
         return _quantize_asym(x, spec)
     qmax = spec.qmax
@@ -710,10 +724,7 @@ ROUNDING_SHARE_LIMIT = 2 ** (ROUNDING_BITS + 8)
 # steps of one channel at a time (which a decode step's append pays for in op calls on CPU), for nearly
 # all of its gain on SmolLM2's keys (what later queries read of the error; eight at a time kept less).
 ROUNDING_BLOCK = 4
-# Tokens whose channels the CPU reference rounds at once: each block step passes over all of them,
-# and a prompt's values in fp64 would outgrow the caches (256 at a time: the rounded quantize of a
-# 2K-token prompt on 8 KV heads of 128 in half the time). Tokens round independently, so the codes
-# do not depend on it. Also the tokens whose queries rounding_coefficients takes at once.
+# Tokens of a sequence whose queries rounding_coefficients takes into its fp64 sums at once.
 ROUNDING_TOKENS = 256
 
 
@@ -739,16 +750,18 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     if n * 8 <= g:  # a decode step's few queries: H is a low-rank update of a multiple of I
         rows = _grouped_queries(query, kv_heads, query_scales, spec, rotator, pads, seen)
         squares = rows.pow(2).sum((-2, -1))
-    else:
-        # In fp64 a prompt's queries take 8 bytes a value, several copies at once: q^T q and the
-        # squares are summed ROUNDING_TOKENS tokens at a time, so memory does not grow with the prompt.
-        # A traced graph's symbolic length takes one slice: a loop over it would specialise the graph.
-        slices = query.split(ROUNDING_TOKENS, dim=2) if isinstance(T, int) else (query,)
-        squares = gram = 0
-        for i, part in enumerate(slices):
-            part = _grouped_queries(part, kv_heads, query_scales, spec, rotator, pads, seen + i * ROUNDING_TOKENS)
-            squares = squares + part.pow(2).sum((-2, -1))
-            gram = gram + part.mT @ part
+    elif isinstance(T, int):
+        # In fp64 a prompt's queries take 8 bytes a value, several copies at once: they are summed a
+        # sequence and ROUNDING_TOKENS tokens at a time, so memory grows with neither the prompt nor the
+        # batch (a sequence's sums are its own, so the shares do not depend on the batch).
+        def row(t, i):
+            return t if t is None or t.shape[0] == 1 else t[i : i + 1]
+
+        sums = [_query_sums(query[i : i + 1], kv_heads, row(query_scales, i), spec, rotator, row(pads, i), seen)
+                for i in range(B)]  # fmt: skip
+        squares, gram = (torch.cat(parts) for parts in zip(*sums))
+    else:  # traced with a symbolic length: one slice, as a loop over it would specialise the graph
+        squares, gram = _query_sums(query, kv_heads, query_scales, spec, rotator, pads, seen, whole=True)
     # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
     # its mean diagonal (GPTQ's ratios do not change when H is scaled). Squares of fp32 values cannot
     # overflow fp64, so the sum is finite exactly when every query is; an unusable group gets H = I,
@@ -762,6 +775,19 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
         ratios = _gptq_ratios(torch.where(usable[..., None, None], gram, 0.0), damping)
     shares = ratios.mul_(_later_blocks(g, query.device)).round_()
     return shares.clamp_(-ROUNDING_SHARE_LIMIT, ROUNDING_SHARE_LIMIT).to(torch.int64)
+
+
+def _query_sums(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None, spec: QuantSpec, rotator,
+                pads, seen: int, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(squares, gram)`` of :func:`_grouped_queries` of ``query``: per group, the sum of their squares
+    and ``q^T q``, summed ``ROUNDING_TOKENS`` tokens at a time (at once if ``whole``)."""
+    slices = (query,) if whole else query.split(ROUNDING_TOKENS, dim=2)
+    squares = gram = 0
+    for i, part in enumerate(slices):
+        part = _grouped_queries(part, kv_heads, query_scales, spec, rotator, pads, seen + i * ROUNDING_TOKENS)
+        squares = squares + part.pow(2).sum((-2, -1))
+        gram = gram + part.mT @ part
+    return squares, gram
 
 
 def _grouped_queries(query: torch.Tensor, kv_heads: int, query_scales: torch.Tensor | None, spec: QuantSpec,
@@ -821,10 +847,6 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
     rounded ``ROUNDING_BLOCK`` at a time, in order, each block passing its errors on by ``coefficients
     [B, H, n, g, g]`` (:func:`rounding_coefficients`; the sum of a block's errors times their shares,
     floored). Groups with a zero or non-finite scale or value round to nearest."""
-    if groups.shape[2] > ROUNDING_TOKENS:
-        slices = [slice(start, start + ROUNDING_TOKENS) for start in range(0, groups.shape[2], ROUNDING_TOKENS)]
-        return torch.cat([_rounded_codes(groups[:, :, part], scale[:, :, part], coefficients, code_min, code_max)
-                          for part in slices], 2)  # fmt: skip
     unit = 2**ROUNDING_BITS
     s = scale_values(scale)[..., None]
     safe = torch.where((s == 0) | s.isnan(), 1.0, s)
@@ -1073,30 +1095,33 @@ def attention(
     k_stored = _Stored(k_codes, k_scales, k_residual, k_spec, k_fine_codes, k_fine_scales, k_head, k_offset)
     v_stored = _Stored(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head, v_offset)
     past = k_stored.tokens
-    total = past + k_new.shape[2]
 
     # Scores are invariant under rotating q and k by the same orthogonal matrix, and the
     # rotated V's output is rotated back once at the end.
-    qf = q.float().reshape(B, Hkv, rep * T, D)
-    q_stored = rotate(qf) if k_spec.rotate else qf
+    q_stored = q.float().reshape(B, Hkv, rep * T, D)
+    q_stored = rotate(q_stored) if k_spec.rotate else q_stored
     # Stored blocks come field-major (dequantize_field_major): q meets K in K's order, and the
     # stored part of the output leaves V's order at the end.
     k_order, v_order = field_order(D, k_spec, q.device), field_order(Dv, v_spec, q.device)
     q_stored = q_stored[..., k_order]
     if attn_mask is not None:
-        # A view: each block's columns are grouped by KV head as they are read. Grouping the
-        # whole mask at once copies it whenever rep > 1 ([B, Hq, T, P] per call, 32 MiB for a
-        # 256-token chunk of 32 query heads at 4K).
-        attn_mask = attn_mask.expand(B, Hq, T, total)
+        # Against the scores viewed per query head, [B, Hkv, rep, T, keys]: a mask shared by the heads
+        # (HF's [B, 1, T, P]) broadcasts as it is. Grouping it by KV head copied it for every head (at
+        # first the whole mask per call, 32 MiB for a 256-token chunk of 32 query heads at 4K; then per
+        # block, with its inverse).
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)
+        attn_mask = attn_mask.unflatten(1, (Hkv, rep)) if attn_mask.shape[1] > 1 else attn_mask[:, :, None]
 
     def mask_columns(start, stop):
-        return attn_mask[..., start:stop].reshape(B, Hkv, rep * T, stop - start)
-    rows = torch.arange(T, device=q.device).repeat(rep)[:, None]
+        return attn_mask[..., start:stop]
+    positions = torch.arange(T, device=q.device)[:, None]
 
     m = torch.full((B, Hkv, rep * T, 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
     acc_stored = torch.zeros(B, Hkv, rep * T, Dv, device=q.device)
-    acc_plain = torch.zeros_like(acc_stored)
+    # The new tokens' sum, made for their visit: until then it would be zeros (a finite correction keeps
+    # them zero, and a non-finite one recurs at that visit), held through every block.
+    acc_plain = None
 
     def visit(k_blk, v_blk, q_blk, start, acc):
         nonlocal m, denom
@@ -1104,12 +1129,13 @@ def attention(
         s = (q_blk @ k_blk.float().transpose(-1, -2)).mul_(scale)
         if softcap:
             s = s.div_(softcap).tanh_().mul_(softcap)
+        by_head = s.view(B, Hkv, rep, T, -1)  # masks go in through this view, in place
         if is_causal:
             cols = torch.arange(start, start + k_blk.shape[2], device=q.device)[None, :]
-            s = s.masked_fill_(cols > rows, float("-inf"))
+            by_head.masked_fill_(cols > positions, float("-inf"))
         if attn_mask is not None:
             blk_mask = mask_columns(start, start + k_blk.shape[2])
-            s = s.masked_fill_(~blk_mask, float("-inf")) if blk_mask.dtype == torch.bool else s.add_(blk_mask)
+            by_head.masked_fill_(~blk_mask, float("-inf")) if blk_mask.dtype == torch.bool else by_head.add_(blk_mask)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         # A row that has seen only -inf so far keeps m = -inf; exp(-inf - -inf) would be NaN.
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -1117,7 +1143,8 @@ def attention(
         correction = torch.exp(m - m_safe)
         denom = denom * correction + p.sum(-1, keepdim=True)
         acc_stored.mul_(correction)
-        acc_plain.mul_(correction)
+        if acc_plain is not None:
+            acc_plain.mul_(correction)
         acc.add_(p @ v_blk.float())
         m = m_new
 
@@ -1131,7 +1158,7 @@ def attention(
         blk_mask = mask_columns(start, stop)
         seen = blk_mask if blk_mask.dtype == torch.bool else blk_mask != float("-inf")
         if is_causal:
-            seen = seen & (torch.arange(start, stop)[None, :] <= rows)
+            seen = seen & (torch.arange(start, stop)[None, :] <= positions)
         return bool(seen.any())
 
     # Per token of a block: its K and V rows for every KV head, and its scores for every query row.
@@ -1141,14 +1168,19 @@ def attention(
         if not attended(start, stop):
             continue  # a block the mask excludes for every row is not read (a static cache's tail)
         visit(k_stored.block(start, stop), v_stored.block(start, stop), q_stored, start, acc_stored)
+    del q_stored
     if k_new.shape[2]:
-        visit(k_new, v_new, qf, past, acc_plain)
+        # The unrotated fp32 queries again rather than held through the blocks (a prefill chunk's
+        # are as large as a block's dequantized K).
+        acc_plain = torch.zeros_like(acc_stored)
+        visit(k_new, v_new, q.float().reshape(B, Hkv, rep * T, D), past, acc_plain)
 
     out_stored = torch.empty_like(acc_stored).index_copy_(-1, v_order, acc_stored)  # back to channel order
     out_stored = rotate(out_stored) if v_spec.rotate else out_stored
     # A row with every key masked gives zeros, as torch's SDPA does; NaN (a poisoned
     # stored group) propagates.
-    out = torch.where(denom == 0, 0.0, (out_stored + acc_plain) / denom)
+    out = out_stored if acc_plain is None else out_stored.add_(acc_plain)  # in place: each is the call's own
+    out = out.div_(denom).masked_fill_(denom == 0, 0.0)
     return out.reshape(B, Hq, T, Dv).to(q.dtype)
 
 

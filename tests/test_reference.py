@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from kvpass import ops
 from kvpass import reference as R
@@ -454,6 +456,27 @@ def test_blockwise_attention_equals_sdpa_over_dequantized_cache(past, k_spec, v_
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mask_shape", [(2, 8, 5, 305), (8, 5, 305), (5, 305), (1, 1, 1, 305)])
+def test_blockwise_attention_reads_a_mask_of_any_broadcast_shape_as_sdpa_does(mask_shape):
+    """Masks go in per query head through a view of the scores: per-head, head-shared, 2-D and
+    key-only masks, additive, give SDPA's output over the dequantized cache."""
+    torch.manual_seed(1)
+    spec = QuantSpec(4, "token", 64, rotate=True, clip=True, refine=8)
+    B, Hq, Hkv, P, T, D = 2, 8, 2, 300, 5, 64
+    k, v = torch.randn(B, Hkv, P, D), torch.randn(B, Hkv, P, D)
+    q, k_new, v_new = torch.randn(B, Hq, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
+    mask = torch.where(torch.rand(mask_shape) > 0.3, torch.randn(mask_shape), float("-inf"))
+    mask[..., -1] = 0.0  # every row attends to something
+    stored = [(*_stored(x, spec), *R.second_plane(R.rotate(x), *_stored(x, spec)[:2], spec)) for x in (k, v)]
+    (kc, ks, kr, kfc, kfs), (vc, vs, vr, vfc, vfs) = stored
+    out = R.attention(q, kc, ks, kr, vc, vs, vr, k_new, v_new, mask, 0.1, False, spec, spec, 0.0, kfc, kfs, vfc, vfs)
+    full_k = torch.cat([R.quantize_dequantize(k, spec, sinks=0), k_new], 2)
+    full_v = torch.cat([R.quantize_dequantize(v, spec, sinks=0), v_new], 2)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, scale=0.1,
+                                                                enable_gqa=True)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_quantized_attention_error_is_small_against_fp():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 256, 64), torch.randn(1, 4, 256, 64)
@@ -647,32 +670,68 @@ def test_query_rounding_moves_the_error_out_of_what_the_queries_read(spec):
 
 
 def test_a_long_append_rounds_each_token_as_it_would_alone():
-    """The reference rounds a prompt's tokens ROUNDING_TOKENS at a time; each token's codes are those
-    it takes rounded alone, wherever the slices fall."""
-    S = 2 * R.ROUNDING_TOKENS + 37
+    """The reference quantizes a prompt's tokens QUANTIZE_SLICE_ELEMENTS at a time; each token's codes
+    are those it takes rounded alone, wherever the slices fall."""
+    per_slice = R.QUANTIZE_SLICE_ELEMENTS // (2 * 128)
+    S = 2 * per_slice + 37
     x = R.rotate(torch.randn(1, 2, S, 128, generator=torch.Generator().manual_seed(5)) * 2)
     shares = R.rounding_coefficients(_concentrated_queries(1, 2, 128), 2, None, QUERY_ROUNDED)
     codes, scales = R.quantize(x, QUERY_ROUNDED, shares)
-    for token in (0, R.ROUNDING_TOKENS - 1, R.ROUNDING_TOKENS, S - 1):
+    for token in (0, per_slice - 1, per_slice, S - 1):
         alone = R.quantize(x[:, :, token : token + 1], QUERY_ROUNDED, shares)
         assert torch.equal(codes[:, :, token : token + 1], alone[0]) and torch.equal(scales[:, :, token : token + 1], alone[1])
     assert not torch.equal(codes, R.quantize(x, QUERY_ROUNDED)[0])
 
 
 def test_a_prompts_rounding_shares_are_summed_a_slice_at_a_time_and_equal_the_whole_prompts(monkeypatch):
-    """A 600-token prompt's queries (and pads, and query scales) reach the fp64 Hessian
-    ``ROUNDING_TOKENS`` at a time, so its memory does not grow with the prompt; the shares are those
-    of the whole prompt at once (fp64 sums in another order, then rounded to integers)."""
+    """A 600-token prompt's queries (and pads, and query scales) reach the fp64 Hessian a sequence and
+    ``ROUNDING_TOKENS`` tokens at a time, so its memory grows with neither the prompt nor the batch;
+    the shares are those of the whole prompt at once (fp64 sums in another order, then rounded to
+    integers), and of each sequence alone."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 600, 64, generator=gen) * torch.rand(1, 1, 1, 64, generator=gen) * 3
     scales, pads = (torch.rand(2, 2, 1, 64, generator=gen) + 0.5).half(), torch.tensor([0, 170])
     sizes, grouped = [], R._grouped_queries
-    monkeypatch.setattr(R, "_grouped_queries", lambda query, *a: sizes.append(query.shape[2]) or grouped(query, *a))
+    monkeypatch.setattr(R, "_grouped_queries", lambda query, *a: sizes.append(query.shape[::2]) or grouped(query, *a))
     sliced = R.rounding_coefficients(q, 2, scales, QUERY_ROUNDED, pads=pads, seen=5)
-    assert sizes == [256, 256, 88]
+    assert sizes == [(1, 256), (1, 256), (1, 88)] * 2
+    second = R.rounding_coefficients(q[1:], 2, scales[1:], QUERY_ROUNDED, pads=pads[1:], seen=5)
     monkeypatch.setattr(R, "ROUNDING_TOKENS", 600)
     whole = R.rounding_coefficients(q, 2, scales, QUERY_ROUNDED, pads=pads, seen=5)
-    assert sizes[3:] == [600] and torch.equal(sliced, whole) and whole.abs().max() > 0
+    assert sizes[9:] == [(1, 600)] * 2 and torch.equal(sliced, whole) and whole.abs().max() > 0
+    assert torch.equal(sliced[1:], second)
+
+
+class _LargestNewStorage(TorchDispatchMode):
+    """The bytes of the largest storage an op made (views and in-place results are their inputs')."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def test_a_prefill_chunks_quantization_temporaries_are_bounded_by_a_slice_whatever_the_batch():
+    """A 256-token chunk of 4 sequences (kvpass bench memory's fill) quantized against its queries:
+    no temporary is larger than fp64 values of one sequence's ROUNDING_TOKENS queries, of
+    QUANTIZE_SLICE_ELEMENTS values or of CLIP_SLICE_ELEMENTS candidates' units, or the shares in fp64.
+    The whole chunk in fp64 (8 MiB, four times the largest of these) was a temporary of both."""
+    B, H, T, D = 4, 8, 256, 128
+    gen = torch.Generator().manual_seed(4)
+    x, q = R.rotate(torch.randn(B, H, T, D, generator=gen)), torch.randn(B, H, T, D, generator=gen)
+    with _LargestNewStorage() as summing:
+        shares = R.rounding_coefficients(q, H, None, QUERY_ROUNDED)
+    assert summing.largest <= 8 * H * R.ROUNDING_TOKENS * D < 8 * q.numel()
+    with _LargestNewStorage() as quantizing:
+        codes, scales = R.quantize(x, QUERY_ROUNDED, shares)
+    assert quantizing.largest <= 8 * max(R.QUANTIZE_SLICE_ELEMENTS, R.CLIP_SLICE_ELEMENTS, shares.numel())
+    assert 8 * x.numel() >= 4 * quantizing.largest
+    assert torch.equal(codes, torch.cat([R.quantize(x[i : i + 1], QUERY_ROUNDED, shares[i : i + 1])[0] for i in range(B)]))
 
 
 def test_a_traced_prompt_length_stays_symbolic_in_the_rounding_shares():
