@@ -5,7 +5,9 @@
   freed heap memory returned and the kernel's high-water mark reset before it: the resident set's
   rise at its peak and after;
 * ``fill``: the fill the benchmark measures, the resident set sampled every millisecond from the
-  same baseline: its rise during and after the first chunk, and at the end, beside the stored bytes.
+  same baseline: its rise during and after the first chunk, and at the end, beside the stored bytes
+  and the bytes glibc's allocator has handed out (``mallinfo2``, sampled with it): the resident set
+  above them is freed memory the allocator keeps.
 
     python benchmarks/chunk_memory.py calls [--batch 4]
     python benchmarks/chunk_memory.py fill [--batch 1] [--context 16384]
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import threading
 import time
@@ -24,6 +27,19 @@ from kvpass import bench, packed
 from kvpass.bench import memory
 from kvpass.config import KVConfig
 from kvpass.packed import PackedKV
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def allocated_mib() -> float:
+    """Bytes glibc's malloc has handed out and not had back (heap chunks in use plus mmapped ones), in MiB."""
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def rise_mib(call) -> tuple[float, float]:
@@ -62,11 +78,12 @@ def fill(batch: int, context: int) -> None:
     del warm
     gc.collect()
     base = memory._resident_baseline_mib()
+    allocated_base = allocated_mib()
     samples, chunk_index, done = [], [0], threading.Event()
 
     def sample():
         while not done.is_set():
-            samples.append((chunk_index[0], memory._status_mib("VmRSS") - base))
+            samples.append((chunk_index[0], memory._status_mib("VmRSS") - base, allocated_mib() - allocated_base))
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -79,12 +96,14 @@ def fill(batch: int, context: int) -> None:
             chunk_index[0] = start // chunk + 1
     done.set()
     sampler.join()
-    during_first = max(rss for i, rss in samples if i == 0)
-    after_first = [rss for i, rss in samples if i == 1][:1] or [float("nan")]
+    during_first = max(rss for i, rss, _ in samples if i == 0)
+    after_first = [rss for i, rss, _ in samples if i == 1][:1] or [float("nan")]
     print(f"batch {batch}, {context} tokens in {chunk}-token chunks: resident MiB over the baseline")
     print(f"  first chunk: {during_first:.1f} during it, {after_first[0]:.1f} after")
     print(f"  whole fill: {memory._status_mib('VmHWM') - base:.1f} at its peak; "
           f"the cache stores {bench.stored_bytes(cache) / 2**20:.1f}")  # fmt: skip
+    print(f"  allocated by malloc over its baseline: {max(a for *_, a in samples):.1f} at its sampled peak, "
+          f"{allocated_mib() - allocated_base:.1f} at the end (resident {memory._status_mib('VmRSS') - base:.1f})")
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
-"""Memory and time of a query-rounded K append's shares (``reference.rounding_coefficients``) for a
-prompt's queries: the largest bytes its new tensors held at once (each storage counted from the op
-that made it until it is freed; the queries themselves not counted), and the wall time of a call
-without that accounting, for SmolLM2's and a Llama-3-8B-shaped 4K-token prompt and one 256-token
-chunk of the bench model at batch 4 (``kvpass bench memory``'s fill). Run it against another
-checkout with ``PYTHONPATH``.
+"""Memory and time of a query-rounded K append (``reference.rounding_coefficients``, then
+``reference.quantize`` with those shares) for a prompt's queries and keys: the largest bytes each
+call's new tensors held at once (each storage counted from the op that made it until it is freed;
+the inputs themselves not counted), and the wall time of a call without that accounting, for
+SmolLM2's and a Llama-3-8B-shaped 4K-token prompt and one 256-token chunk of the bench model at
+batch 4 (``kvpass bench memory``'s fill). Run it against another checkout with ``PYTHONPATH``.
 
     python benchmarks/rounding_memory.py
 """
@@ -51,21 +51,30 @@ SHAPES = {  # name: (batch, query heads, KV heads, tokens, head_dim)
 }
 
 
+def measured(call, known: torch.Tensor) -> tuple[float, float]:
+    """``(peak MiB of the call's new tensors, ms of a call without accounting)``, after a warm call."""
+    call()
+    start = time.perf_counter()
+    call()
+    ms = 1e3 * (time.perf_counter() - start)
+    live = LiveBytes(known)
+    with live:
+        call()
+    return live.peak / 2**20, ms
+
+
 @torch.no_grad()
 def main() -> None:
     torch.manual_seed(0)
     spec = KVConfig().k
-    print(f"{'queries':<38} {'fp32 MiB':>8} {'peak MiB':>9} {'ms':>6}  ({torch.get_num_threads()} threads)")
+    print(f"{'queries and keys':<38} {'fp32 MiB':>8} {'shares MiB':>10} {'ms':>5} {'codes MiB':>9} {'ms':>5}"
+          f"  ({torch.get_num_threads()} threads)")  # fmt: skip
     for name, (B, Hq, kv_heads, T, D) in SHAPES.items():
-        query = torch.randn(B, Hq, T, D)
-        reference.rounding_coefficients(query, kv_heads, None, spec)  # warm
-        start = time.perf_counter()
-        reference.rounding_coefficients(query, kv_heads, None, spec)
-        ms = 1e3 * (time.perf_counter() - start)
-        live = LiveBytes(query)
-        with live:
-            reference.rounding_coefficients(query, kv_heads, None, spec)
-        print(f"{name:<38} {query.numel() * 4 / 2**20:8.0f} {live.peak / 2**20:9.1f} {ms:6.0f}")
+        query, keys = torch.randn(B, Hq, T, D), reference.rotate(torch.randn(B, kv_heads, T, D))
+        shares = reference.rounding_coefficients(query, kv_heads, None, spec)
+        share_mib, share_ms = measured(lambda: reference.rounding_coefficients(query, kv_heads, None, spec), query)
+        code_mib, code_ms = measured(lambda: reference.quantize(keys, spec, shares), keys)
+        print(f"{name:<38} {query.numel() * 4 / 2**20:8.0f} {share_mib:10.1f} {share_ms:5.0f} {code_mib:9.1f} {code_ms:5.0f}")
 
 
 if __name__ == "__main__":
