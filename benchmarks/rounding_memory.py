@@ -74,7 +74,8 @@ def main() -> None:
         shares = reference.rounding_coefficients(query, kv_heads, None, spec)
         share_mib, share_ms = measured(lambda: reference.rounding_coefficients(query, kv_heads, None, spec), query)
         code_mib, code_ms = measured(lambda: reference.quantize(keys, spec, shares), keys)
-        print(f"{name:<38} {query.numel() * 4 / 2**20:8.0f} {share_mib:10.1f} {share_ms:5.0f} {code_mib:9.1f} {code_ms:5.0f}")
+        print(f"{name:<38} {query.numel() * 4 / 2**20:8.0f} {share_mib:10.1f} {share_ms:5.0f} "
+              f"{code_mib:9.1f} {code_ms:5.0f}")
 
 
 if __name__ == "__main__":

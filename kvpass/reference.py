@@ -406,9 +406,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec, rounding: torch.Tensor | None = N
 
 # Elements of a per-token ``x`` that one pass of :func:`_quantized` takes: longer appends are searched,
 # rounded and coded a slice of tokens at a time (tokens are independent, so the codes do not depend
-# on it), which keeps the pass's fp32 and fp64 temporaries (~35 bytes an element when rounding against
-# queries) near 2 MiB whatever the append's length and batch. A 256-token prefill chunk of 4 sequences
-# on 8 heads of 128 held 35 MiB in one pass, the largest transient of kvpass bench memory's fill.
+# on it), which keeps the pass's fp32 and fp64 temporaries (tens of bytes a value when rounding
+# against queries) to a few MiB whatever the append's length and batch: a 256-token prefill chunk of 4
+# sequences on 8 heads of 128 held 39 MiB of them in one pass, the largest transient of kvpass bench
+# memory's fill, and holds 6 MiB in slices (benchmarks/rounding_memory.py).
 QUANTIZE_SLICE_ELEMENTS = 2**16
 
 
@@ -750,7 +751,7 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
     if n * 8 <= g:  # a decode step's few queries: H is a low-rank update of a multiple of I
         rows = _grouped_queries(query, kv_heads, query_scales, spec, rotator, pads, seen)
         squares = rows.pow(2).sum((-2, -1))
-    elif isinstance(T, int):
+    elif isinstance(T, int) and isinstance(B, int):
         # In fp64 a prompt's queries take 8 bytes a value, several copies at once: they are summed a
         # sequence and ROUNDING_TOKENS tokens at a time, so memory grows with neither the prompt nor the
         # batch (a sequence's sums are its own, so the shares do not depend on the batch).
@@ -760,7 +761,7 @@ def rounding_coefficients(query: torch.Tensor, kv_heads: int, query_scales: torc
         sums = [_query_sums(query[i : i + 1], kv_heads, row(query_scales, i), spec, rotator, row(pads, i), seen)
                 for i in range(B)]  # fmt: skip
         squares, gram = (torch.cat(parts) for parts in zip(*sums))
-    else:  # traced with a symbolic length: one slice, as a loop over it would specialise the graph
+    else:  # traced with a symbolic length or batch: one slice, as a loop over it would specialise the graph
         squares, gram = _query_sums(query, kv_heads, query_scales, spec, rotator, pads, seen, whole=True)
     # H = q^T q + damping * I: n times the queries' second moment, damped by ROUNDING_DAMPING times
     # its mean diagonal (GPTQ's ratios do not change when H is scaled). Squares of fp32 values cannot

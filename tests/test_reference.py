@@ -709,7 +709,8 @@ class _LargestNewStorage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.untyped_storage().nbytes())
@@ -731,7 +732,8 @@ def test_a_prefill_chunks_quantization_temporaries_are_bounded_by_a_slice_whatev
         codes, scales = R.quantize(x, QUERY_ROUNDED, shares)
     assert quantizing.largest <= 8 * max(R.QUANTIZE_SLICE_ELEMENTS, R.CLIP_SLICE_ELEMENTS, shares.numel())
     assert 8 * x.numel() >= 4 * quantizing.largest
-    assert torch.equal(codes, torch.cat([R.quantize(x[i : i + 1], QUERY_ROUNDED, shares[i : i + 1])[0] for i in range(B)]))
+    alone = [R.quantize(x[i : i + 1], QUERY_ROUNDED, shares[i : i + 1])[0] for i in range(B)]
+    assert torch.equal(codes, torch.cat(alone))
 
 
 def test_a_traced_prompt_length_stays_symbolic_in_the_rounding_shares():
