@@ -7,7 +7,7 @@
 * ``fill``: the fill the benchmark measures, the resident set sampled every millisecond from the
   same baseline: its rise during and after the first chunk, and at the end, beside the stored bytes
   and the bytes glibc's allocator has handed out (``mallinfo2``, sampled with it): the resident set
-  above them is freed memory the allocator keeps.
+  above them is freed memory the allocator keeps, which a trim at the end hands back.
 
     python benchmarks/chunk_memory.py calls [--batch 4]
     python benchmarks/chunk_memory.py fill [--batch 1] [--context 16384]
@@ -102,8 +102,10 @@ def fill(batch: int, context: int) -> None:
     print(f"  first chunk: {during_first:.1f} during it, {after_first[0]:.1f} after")
     print(f"  whole fill: {memory._status_mib('VmHWM') - base:.1f} at its peak; "
           f"the cache stores {bench.stored_bytes(cache) / 2**20:.1f}")  # fmt: skip
+    resident_end = memory._status_mib("VmRSS") - base
     print(f"  allocated by malloc over its baseline: {max(a for *_, a in samples):.1f} at its sampled peak, "
-          f"{allocated_mib() - allocated_base:.1f} at the end (resident {memory._status_mib('VmRSS') - base:.1f})")
+          f"{allocated_mib() - allocated_base:.1f} at the end (resident {resident_end:.1f}, "
+          f"{memory._resident_baseline_mib() - base:.1f} after malloc_trim)")
 
 
 def main() -> None:

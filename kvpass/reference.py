@@ -200,8 +200,7 @@ def clip_divisors(qmax: int) -> tuple[float, ...]:
 # a group is exact and the choice cannot depend on the order a kernel adds them in.
 CLIP_ERROR_UNIT = 2.0**20
 # Elements of the [groups, candidates, group size] error tensor built at once: its few fp32
-# temporaries stay near 0.5 MiB each (a prefill chunk at 2**22 held over 100 MiB at its peak; a slice
-# of QUANTIZE_SLICE_ELEMENTS peaked at 5.7 MiB with 2**18, 3.2 MiB with 2**17, in about the same time).
+# temporaries stay near 0.5 MiB each (a prefill chunk at 2**22 held over 100 MiB at its peak).
 CLIP_SLICE_ELEMENTS = 2**17
 
 
@@ -1099,8 +1098,8 @@ def attention(
 
     # Scores are invariant under rotating q and k by the same orthogonal matrix, and the
     # rotated V's output is rotated back once at the end.
-    q_stored = q.float().reshape(B, Hkv, rep * T, D)
-    q_stored = rotate(q_stored) if k_spec.rotate else q_stored
+    qf = q.float().reshape(B, Hkv, rep * T, D)
+    q_stored = rotate(qf) if k_spec.rotate else qf
     # Stored blocks come field-major (dequantize_field_major): q meets K in K's order, and the
     # stored part of the output leaves V's order at the end.
     k_order, v_order = field_order(D, k_spec, q.device), field_order(Dv, v_spec, q.device)
@@ -1120,8 +1119,8 @@ def attention(
     m = torch.full((B, Hkv, rep * T, 1), float("-inf"), device=q.device)
     denom = torch.zeros_like(m)
     acc_stored = torch.zeros(B, Hkv, rep * T, Dv, device=q.device)
-    # The new tokens' sum, made for their visit: until then it would be zeros (a finite correction keeps
-    # them zero, and a non-finite one recurs at that visit), held through every block.
+    # The new tokens' sum, made for their visit: before it, it would only be zeros scaled by each
+    # block's correction (zeros, or NaN after a non-finite one, which recurs at that visit).
     acc_plain = None
 
     def visit(k_blk, v_blk, q_blk, start, acc):
@@ -1130,7 +1129,8 @@ def attention(
         s = (q_blk @ k_blk.float().transpose(-1, -2)).mul_(scale)
         if softcap:
             s = s.div_(softcap).tanh_().mul_(softcap)
-        by_head = s.view(B, Hkv, rep, T, -1)  # masks go in through this view, in place
+        if is_causal or attn_mask is not None:
+            by_head = s.view(B, Hkv, rep, T, -1)  # masks go in through this view, in place
         if is_causal:
             cols = torch.arange(start, start + k_blk.shape[2], device=q.device)[None, :]
             by_head.masked_fill_(cols > positions, float("-inf"))
@@ -1171,10 +1171,8 @@ def attention(
         visit(k_stored.block(start, stop), v_stored.block(start, stop), q_stored, start, acc_stored)
     del q_stored
     if k_new.shape[2]:
-        # The unrotated fp32 queries again rather than held through the blocks (a prefill chunk's
-        # are as large as a block's dequantized K).
         acc_plain = torch.zeros_like(acc_stored)
-        visit(k_new, v_new, q.float().reshape(B, Hkv, rep * T, D), past, acc_plain)
+        visit(k_new, v_new, qf, past, acc_plain)
 
     out_stored = torch.empty_like(acc_stored).index_copy_(-1, v_order, acc_stored)  # back to channel order
     out_stored = rotate(out_stored) if v_spec.rotate else out_stored
