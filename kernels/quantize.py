@@ -58,7 +58,7 @@ def _codes_from(x, scale, CODE_MIN: tl.constexpr, CODE_MAX: tl.constexpr):
     y = _div_rn(x, safe)
     # Clamping before rounding equals rounding before clamping (the bounds are integers) and
     # keeps inf inside the range where the magic-number rounding is exact. NaN -> 0, as
-    # torch's NaN-to-int8 conversion gives.
+    # the reference defines it.
     y = tl.minimum(tl.maximum(y, CODE_MIN * 1.0), CODE_MAX * 1.0)
     y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
     return tl.where(x != x, 0, y.to(tl.int32))

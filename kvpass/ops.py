@@ -1,7 +1,8 @@
 """The ``kv4::`` custom ops: the only places where KV numerics run.
 
 One op name per operation for every device: the FX pass emits these and never branches
-on device. CPU runs :mod:`kvpass.reference`; CUDA runs the Triton kernels of
+on device. CPU runs :mod:`kvpass.reference` (a decode step's quantization compiled by Inductor,
+:mod:`kvpass.cpu_steps`); CUDA runs the Triton kernels of
 ``kvpass.kernels`` when Triton is importable, else the same reference (which also serves
 specs whose groups span heads, ``QuantSpec.span_heads``: test-size heads only).
 
@@ -20,7 +21,7 @@ import logging
 
 import torch
 
-from kvpass import reference
+from kvpass import cpu_steps, reference
 from kvpass.config import QuantSpec
 
 log = logging.getLogger("kvpass")
@@ -79,7 +80,7 @@ def quantize(
     a centered spec passes its stored-domain ``offset [B, H, 1, D]``, a query-rounded one its
     append's ``rounding`` (:func:`kvpass.reference.rounding_coefficients`)."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
-    return reference.encode(x.contiguous(), spec, offset, rounding=rounding)
+    return cpu_steps.encode(x.contiguous(), spec, offset, rounding)
 
 
 def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool):
@@ -122,7 +123,7 @@ def quantize_refined(
     (``QuantSpec.refine``) of the newest ``min(T, refine)``: ``(codes, scales, fine_codes, fine_scales)``.
     One op, not four: a decode step appends one token, and each op call costs more than its work."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
-    return reference.encode_refined(x.contiguous(), spec, offset=offset, rounding=rounding)
+    return cpu_steps.encode_refined(x.contiguous(), spec, offset, rounding)
 
 
 @quantize_refined.register_fake

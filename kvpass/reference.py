@@ -18,7 +18,8 @@ Symmetric (``spec.symmetric``):
 * a group whose ``amax / qmax`` underflows fp16 (``amax < 7 * 2**-25`` for int4) is
   flushed to zero: the error is still below the group's ``amax``;
 * a group holding NaN or +-inf gets a NaN scale and decodes to all-NaN, so a non-finite
-  input is never hidden behind finite numbers (no host sync is needed to detect it).
+  input is never hidden behind finite numbers (no host sync is needed to detect it); a NaN
+  element's code is 0 (its stored field ``2**(bits-1)``).
 
 Asymmetric (``not spec.symmetric``), ``Q = 2**bits - 1`` (15 for int4):
 
@@ -184,7 +185,8 @@ def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: i
     """Codes of ``x`` with stored ``scale`` (broadcast to it)."""
     scale = scale_values(scale)
     safe = torch.where((scale == 0) | scale.isnan(), 1.0, scale)
-    return torch.clamp(torch.round(x.float() / safe), code_min, code_max).to(torch.int8)
+    # NaN's code is 0 by definition: converting NaN to an integer is undefined in C, and compilers differ.
+    return torch.round(x.float() / safe).nan_to_num_(0.0).clamp_(code_min, code_max).to(torch.int8)
 
 
 def clip_divisors(qmax: int) -> tuple[float, ...]:
@@ -239,7 +241,7 @@ def _least_error_scale(rows: torch.Tensor, qmax: int, dtype: torch.dtype) -> tup
     # A zero candidate and a non-finite row's divide by one, as _codes_from's zero or NaN scale
     # does, so the chosen candidate's codes are the codes (a non-finite row's are the same for all).
     divisor = torch.where((candidates != 0) & finite, candidates, 1.0)[:, :, None]
-    codes = torch.clamp(torch.round(rows[:, None, :] / divisor), -qmax - 1, qmax)
+    codes = torch.round(rows[:, None, :] / divisor).nan_to_num_(0.0).clamp_(-qmax - 1, qmax)  # NaN: as _codes_from
     # code * scale is exact in fp32, so the error is one rounding, as a kernel's fma gives.
     e = torch.where(finite[:, :, None], (codes * candidates[:, :, None] - rows[:, None, :]) / unit[:, :, None], 0.0)
     units = (e * e * CLIP_ERROR_UNIT + 0.5).floor_()

@@ -11,3 +11,10 @@ if not torch.cuda.is_available():
 # processes sharing the cores spin waiting for each other.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+# A decode step's quantization compiles once per shape and spec (kvpass.cpu_steps): hundreds of
+# shapes here would each pay seconds. tests/test_cpu_steps.py turns it on and checks it against
+# the eager reference this suite checks everything else against.
+from kvpass import cpu_steps  # noqa: E402
+
+cpu_steps.enabled = False

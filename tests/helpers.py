@@ -80,3 +80,27 @@ def latent_decode(model, ids, cache, steps=3):
     stored, fp16 = packed_and_fp16_bytes(cache)
     assert stored <= 0.35 * fp16
     return backend, got
+
+
+def hard_values(shape, dtype, generator):
+    """Random groups plus the cases the reference defines: zeros, flush-to-zero, non-finite, ties."""
+    x = torch.randn(shape, generator=generator) * 3
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 1e-9
+    x[0, -1, 2, 3] = float("nan")
+    x[-1, 0, 3, 1] = float("inf")
+    x[-1, -1, 4, 0] = -float("inf")
+    # amax 7 gives scale 1, so these land exactly on rounding ties (half to even).
+    x[0, 0, 5] = torch.tensor([7.0, 2.5, -2.5, 0.5, -1.5, 3.5, 6.5, -6.5]).repeat(shape[-1] // 8)
+    if shape[2] > 7:
+        # Asymmetric int4: min 0, max 15 give scale 1 and zero point 0, so ties again.
+        x[0, 0, 6] = torch.tensor([0.0, 15.0, 2.5, 0.5, 7.5, 13.5, 1.5, 14.5]).repeat(shape[-1] // 8)
+        x[0, 0, 7] = -3.3  # all-equal groups whose value fp16 cannot hold
+    return x.to(dtype)
+
+
+def bits_equal(a, b):
+    # NaN scales may differ in payload bits between backends; everything else is compared bitwise.
+    if not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))

@@ -28,6 +28,7 @@ if not KERNELS_INTERPRETED:
     )
 
 from kvpass.kernels import attention, quantize, quantize_refined  # noqa: E402
+from tests.helpers import bits_equal, hard_values  # noqa: E402
 
 # Tolerances of the fused attention against the fp32 reference, per input dtype:
 # - fp32: operands stay fp32 and the dots are IEEE fp32; only summation order and exp
@@ -59,31 +60,7 @@ ASYM_INT2_INT8 = (QuantSpec(bits=2, scheme="token", group=16, symmetric=False), 
 SPECS_ASYM = {"asym": ASYM, "asym_int2_int8": ASYM_INT2_INT8}
 
 
-def _bits_equal(a, b):
-    # NaN scales may differ in payload bits between backends; everything else is compared bitwise.
-    if not torch.equal(a.isnan(), b.isnan()):
-        return False
-    return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
-
-
 # --- quantize --------------------------------------------------------------------------
-
-
-def _hard_values(shape, dtype, generator):
-    """Random groups plus the cases the reference defines: zeros, flush-to-zero, non-finite, ties."""
-    x = torch.randn(shape, generator=generator) * 3
-    x[0, 0, 0] = 0.0
-    x[0, 0, 1] = 1e-9
-    x[0, -1, 2, 3] = float("nan")
-    x[-1, 0, 3, 1] = float("inf")
-    x[-1, -1, 4, 0] = -float("inf")
-    # amax 7 gives scale 1, so these land exactly on rounding ties (half to even).
-    x[0, 0, 5] = torch.tensor([7.0, 2.5, -2.5, 0.5, -1.5, 3.5, 6.5, -6.5]).repeat(shape[-1] // 8)
-    if shape[2] > 7:
-        # Asymmetric int4: min 0, max 15 give scale 1 and zero point 0, so ties again.
-        x[0, 0, 6] = torch.tensor([0.0, 15.0, 2.5, 0.5, 7.5, 13.5, 1.5, 14.5]).repeat(shape[-1] // 8)
-        x[0, 0, 7] = -3.3  # all-equal groups whose value fp16 cannot hold
-    return x.to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -114,13 +91,13 @@ def _hard_values(shape, dtype, generator):
 def test_quantize_bit_exact(spec, shape, dtype):
     gen = torch.Generator().manual_seed(sum(shape) + spec.bits)
     # Heads-major storage transposed to a logical [B, H, S, D]: non-contiguous input.
-    x = _hard_values(shape, dtype, gen).transpose(1, 2).contiguous().transpose(1, 2)
+    x = hard_values(shape, dtype, gen).transpose(1, 2).contiguous().transpose(1, 2)
     codes_ref, scales_ref = reference.quantize(x, spec)
     codes = torch.randint(0, 256, codes_ref.shape, dtype=torch.uint8, generator=gen)
     scales = torch.full_like(scales_ref, float("nan"))
     quantize(x, spec, out=(codes, scales))
     assert torch.equal(codes, codes_ref)
-    assert _bits_equal(scales, scales_ref)
+    assert bits_equal(scales, scales_ref)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
@@ -131,12 +108,12 @@ def test_refined_quantize_through_the_kernel_matches_reference(tokens, dtype):
     spec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
     gen = torch.Generator().manual_seed(tokens)
     shape = (2, 3, tokens, 128)
-    x = _hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
+    x = hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
     expected = reference.encode_refined(x, spec)
     launches = []
     got = reference.encode_refined(x, spec, lambda t, s: launches.append(t.shape) or quantize(t, s))
     assert launches == [shape, (2, 3, min(tokens, spec.refine), 128)]  # the codes, then the plane
-    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else bits_equal(a, b) for a, b in zip(got, expected))
 
 
 REFINED = QuantSpec(bits=4, scheme="token", group=64, clip=True, refine=64)
@@ -156,7 +133,7 @@ def test_fused_refined_quantize_matches_reference(spec, rounded, tokens, dtype):
     for bit the reference's, on ties, zeros and non-finite groups, codes rounded against queries or not."""
     gen = torch.Generator().manual_seed(tokens + spec.bits)
     shape = (2, 3, tokens, 64)
-    x = _hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
+    x = hard_values(shape, dtype, gen) if tokens > 7 else (torch.randn(shape, generator=gen) * 3).to(dtype)
     rounding = None
     if rounded:
         rounding = reference.rounding_coefficients(torch.randn(2, 6, 4, 64, generator=gen), 3, None, spec)
@@ -164,7 +141,7 @@ def test_fused_refined_quantize_matches_reference(spec, rounded, tokens, dtype):
     poisoned = [torch.full_like(t, 255 if t.dtype == torch.uint8 else float("nan")) for t in expected]
     got = quantize_refined(x, spec, rounding, out=poisoned)
     assert [t.shape for t in got] == [t.shape for t in expected]
-    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else _bits_equal(a, b) for a, b in zip(got, expected))
+    assert all(torch.equal(a, b) if a.dtype == torch.uint8 else bits_equal(a, b) for a, b in zip(got, expected))
 
 
 def test_fused_refined_quantize_takes_symmetric_token_groups_only():
@@ -189,7 +166,7 @@ def test_query_rounded_quantize_bit_exact(spec, shape, dtype):
     """Codes chosen against the queries, channel by channel, equal the reference's to the bit:
     the shares are integers, so no step depends on the kernel's arithmetic order or fusion."""
     gen = torch.Generator().manual_seed(sum(shape) + spec.bits)
-    x = _hard_values(shape, dtype, gen)
+    x = hard_values(shape, dtype, gen)
     B, H, _, D = shape
     q = torch.randn(B, 2 * H, 1, D, generator=gen) * 3 + 0.3 * torch.randn(B, 2 * H, 6, D, generator=gen)
     rounding = reference.rounding_coefficients(q, H, None, spec)
@@ -197,7 +174,7 @@ def test_query_rounded_quantize_bit_exact(spec, shape, dtype):
     assert not torch.equal(codes_ref, reference.quantize(x, spec)[0])  # the rounding chose other codes
     codes, scales = quantize(x, spec, rounding)
     assert torch.equal(codes, codes_ref)
-    assert _bits_equal(scales, scales_ref)
+    assert bits_equal(scales, scales_ref)
     with pytest.raises(ValueError, match=r"rounding must be int64 \[1, 1"):
         quantize(x[:1, :1], spec, rounding)
 
