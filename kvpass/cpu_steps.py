@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 import warnings
 
 import torch
@@ -35,10 +36,14 @@ enabled = True
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn):
+def _compiled(fn, spec):
+    # Dynamo keeps at most recompile_limit (8) graphs per code object and every spec is a graph of
+    # its own: a process trying many schemes (kvpass eval) would run out and silently fall back.
+    # A copy of the code per spec leaves each spec that budget for its shapes (batch sizes, dtypes).
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
     # Inductor would otherwise skip the fp16 round trip of a scale used within the same loop
     # (the clip search divides by fp16-rounded candidates): the codes would change.
-    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True})
+    return torch.compile(own, dynamic=False, options={"emulate_precision_casts": True})
 
 
 def _takes(x: torch.Tensor) -> bool:
@@ -48,7 +53,7 @@ def _takes(x: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)  # fmt: skip
 
 
-def _run(fn, *args):
+def _run(fn, x, spec, *args):
     global enabled
     try:
         with warnings.catch_warnings():
@@ -57,12 +62,12 @@ def _run(fn, *args):
             # Inductor's C++ code for a bf16 model's append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            return _compiled(fn)(*args)
+            return _compiled(fn, spec)(x, spec, *args)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         enabled = False
         log.warning("kvpass: decode-step quantization stays eager on CPU: Inductor failed (%s: %s)",
                     type(err).__name__, err)  # fmt: skip
-        return fn(*args)
+        return fn(x, spec, *args)
 
 
 def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):

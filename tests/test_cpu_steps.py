@@ -79,7 +79,7 @@ def test_only_plain_cpu_decode_steps_take_the_compiled_path(compiled_steps, monk
 
 
 def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps, monkeypatch, caplog):
-    def no_compiler(fn):
+    def no_compiler(fn, spec):
         def fails(*args):
             raise RuntimeError("no C++ compiler")
 
@@ -121,3 +121,16 @@ def test_a_kv4_model_decodes_the_same_logits_with_the_compiled_path(monkeypatch)
     # K and V of 2 layers, 3 decode steps, all through the compiled reference.
     assert runs == [reference.encode_refined] * 12
     assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))
+
+
+def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps, monkeypatch):
+    # kvpass eval tries a dozen schemes in one process, and Dynamo keeps recompile_limit (8) graphs per
+    # code object: here a limit of 2 against 3 specs, which is cheaper to compile.
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    x = torch.randn(1, 2, 1, 64)
+    specs = [QuantSpec(4, "token", group) for group in (16, 32, 64)]
+    torch._dynamo.reset()  # a spec another test compiled compiles again here
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for spec in specs:
+        assert all(torch.equal(a, b) for a, b in zip(cpu_steps.encode(x, spec), reference.encode(x, spec)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + len(specs)
