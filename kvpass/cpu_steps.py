@@ -62,7 +62,9 @@ def _run(fn, x, spec, *args):
             # Inductor's C++ code for a bf16 model's append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            return _compiled(fn, spec)(x, spec, *args)
+            # One token: its dimension's stride is arbitrary (K's and V's differ), and Dynamo would
+            # compile a graph for each; a fresh unsqueeze gives the contiguous one.
+            return _compiled(fn, spec)(x.squeeze(2).unsqueeze(2), spec, *args)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         enabled = False
         log.warning("kvpass: decode-step quantization stays eager on CPU: Inductor failed (%s: %s)",

@@ -134,3 +134,16 @@ def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps
     for spec in specs:
         assert all(torch.equal(a, b) for a, b in zip(cpu_steps.encode(x, spec), reference.encode(x, spec)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + len(specs)
+
+
+def test_a_tokens_stride_does_not_compile_another_graph(compiled_steps):
+    # A one-token dimension's stride is arbitrary: V's new token arrives with another than K's.
+    x = torch.randn(1, 1, 3, 64).transpose(1, 2)  # [1, 3, 1, 64], the token dimension's stride 192
+    spec = QuantSpec(4, "token", 16, symmetric=False)
+    assert x.is_contiguous() and x.stride(2) != torch.randn(1, 3, 1, 64).stride(2)
+    cpu_steps.encode(x.contiguous(), spec)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    y = torch.randn(1, 3, 1, 64)
+    got = cpu_steps.encode(y, spec)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.encode(y, spec)))
