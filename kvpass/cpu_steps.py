@@ -62,8 +62,8 @@ def _run(fn, x, spec, *args):
             # Inductor's C++ code for a bf16 model's append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            # One token: its dimension's stride is arbitrary (K's and V's differ), and Dynamo would
-            # compile a graph for each; a fresh unsqueeze gives the contiguous one.
+            # One token: its dimension's stride is arbitrary (V's new token arrives with another than
+            # K's), and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride.
             return _compiled(fn, spec)(x.squeeze(2).unsqueeze(2), spec, *args)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         enabled = False
