@@ -11,7 +11,8 @@ op as torch does (told to keep the reference's fp16 roundings inside a fused loo
 Only appends of ``STEP_TOKENS`` tokens take this path: a decode step's shapes are fixed for a model,
 so each (shape, spec) compiles once (a few seconds, then Inductor's on-disk cache); prompts and
 chunks vary in length and their ops are large already, so they stay eager. Where Inductor cannot
-compile (no C++ compiler), the failure is logged once and the reference runs eagerly from then on.
+compile (no C++ compiler), the failure is logged once and the reference runs eagerly from then on;
+an input the reference itself rejects raises its error and leaves the compiled path on.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def _run(fn, x, spec, *args):
             # K's), and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride.
             return _compiled(fn, spec)(x.squeeze(2).unsqueeze(2), spec, *args)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
+        # A bad input raises here again, as it would without compiling, and leaves the path on.
+        result = fn(x, spec, *args)
         enabled = False
         log.warning("kvpass: decode-step quantization stays eager on CPU: Inductor failed (%s: %s)",
                     type(err).__name__, err)  # fmt: skip
-        return fn(x, spec, *args)
+        return result
 
 
 def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):

@@ -65,6 +65,7 @@ def test_equal_specs_share_one_compiled_graph(compiled_steps):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(3):
         ops.quantize_refined(*args)
+    assert cpu_steps.enabled and cpu_steps._compiled.cache_info().currsize, "it compiled, not fell back"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
@@ -94,10 +95,21 @@ def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps,
     assert "Inductor failed (RuntimeError: no C++ compiler)" in caplog.text
 
 
-def test_opcheck_with_the_compiled_path(compiled_steps):
+def test_an_input_the_reference_rejects_raises_its_error_and_keeps_the_compiled_path(compiled_steps):
+    with pytest.raises(ValueError, match="head_dim 7 must be a multiple of 2"):
+        cpu_steps.encode(torch.randn(1, 2, 1, 7), QuantSpec(4, "token", 16))
+    assert cpu_steps.enabled
+
+
+def test_opcheck_with_the_compiled_path(compiled_steps, monkeypatch):
+    runs = []
+    run = cpu_steps._run
+    monkeypatch.setattr(cpu_steps, "_run", lambda *args: runs.append(args[0]) or run(*args))
     x = torch.randn(2, 3, 1, 64)
     torch.library.opcheck(ops.quantize_refined, (x, *ops.codec_args(DEFAULT.v), DEFAULT.v.refine))
     torch.library.opcheck(ops.quantize, (x, *ops.codec_args(QuantSpec(bits=4, scheme="token", group=32))))
+    # opcheck calls the real kernel on plain tensors too: those calls went through the compiled code.
+    assert reference.encode_refined in runs and reference.encode in runs
     assert cpu_steps.enabled
 
 
