@@ -1,10 +1,11 @@
 """Where a real model's kv4 decode step goes on CPU: SmolLM2 compiled with kv4, a prompt of
 ``--context`` KJV tokens, then ``--steps`` greedy decode steps, each timed whole, with timers
 around the kv4 ops the graph calls (``graph_ops.kv4_append`` and, inside it, the quantization
-``cpu_steps.encode_refined``, compiled unless ``--eager-steps``; ``graph_ops.kv4_sdpa``) and the
-eager model for reference. Then the same calls on the first layer's cache alone: back to back, and
-each after reading as many bytes as the model's weights (what a decode step streams between two
-layers' kv4 calls), which evicts the CPU caches the calls' many small ops would otherwise find warm.
+``cpu_steps.encode_refined``; ``graph_ops.kv4_sdpa``, whose attention ``kvpass.cpu_steps`` runs;
+both compiled unless ``--eager-steps``) and the eager model for reference. Then the same calls on
+the first layer's cache alone: back to back, and each after reading as many bytes as the model's
+weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
+calls' many small ops would otherwise find warm.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
 """
@@ -93,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eager-steps", action="store_true", help="quantize decode steps eagerly (kvpass.cpu_steps off)")
+    parser.add_argument("--eager-steps", action="store_true", help="run decode steps' kv4 ops eagerly (kvpass.cpu_steps off)")
     args = parser.parse_args()
     cpu_steps.enabled = not args.eager_steps
     for module, name in ((graph_ops, "kv4_append"), (graph_ops, "kv4_sdpa"), (cpu_steps, "encode_refined")):
@@ -104,7 +105,7 @@ def main() -> None:
     kv4, cache = step_ms(torch.compile(model, backend="kv4"), prompt, args.steps)
     steps = "eager" if args.eager_steps else "compiled"
     print(f"SmolLM2, {args.context}-token prompt, median of {args.steps} decode steps, {torch.get_num_threads()} threads, "
-          f"decode-step quantization {steps}")  # fmt: skip
+          f"decode steps' kv4 ops {steps}")  # fmt: skip
     print(f"eager fp step: {statistics.median(fp):.1f} ms; kv4 step: {statistics.median(kv4):.1f} ms")
     for name in ("kv4_append", "encode_refined", "kv4_sdpa"):
         per_step = 1e3 * spent[name] / args.steps

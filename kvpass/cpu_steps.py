@@ -1,18 +1,28 @@
-"""A CPU decode step's quantization: the reference, compiled by Inductor.
+"""A CPU decode step's kv4 ops, compiled by Inductor.
 
 On CPU a ``kv4::`` op runs :mod:`kvpass.reference`, a hundred or more small torch calls, and a
-decode step's append quantizes one token, so the calls' fixed cost is nearly all its cost
-(SmolLM2: 60 appends a step, each ~1 ms, against a ~100 ms fp step; ``docs/bench-decode.md``).
-Inductor turns the same code into a few C++ loops and computes the same numbers: the clipped
-scale search sums integers (exact in any order) and Inductor's CPU code rounds each elementwise
-op as torch does (told to keep the reference's fp16 roundings inside a fused loop), so codes and scales are the reference's bit for bit
-(``tests/test_cpu_steps.py`` checks it on hard values, non-finite ones included).
+decode step appends one token and attends with one query, so the calls' fixed cost is most of the
+step (SmolLM2: 60 appends and 30 attentions a step; ``docs/bench-decode.md``). Inductor turns them
+into a few C++ loops:
 
-Only appends of ``STEP_TOKENS`` tokens take this path: a decode step's shapes are fixed for a model,
-so each (shape, spec) compiles once (a few seconds, then Inductor's on-disk cache); prompts and
-chunks vary in length and their ops are large already, so they stay eager. Where Inductor cannot
-compile (no C++ compiler), the failure is logged once and the reference runs eagerly from then on;
-an input the reference itself rejects raises its error and leaves the compiled path on.
+- **Quantization** (:func:`encode`, :func:`encode_refined`): the reference's own functions, compiled,
+  and the same numbers: the clipped scale search sums integers (exact in any order) and Inductor's
+  CPU code rounds each elementwise op as torch does (told to keep the reference's fp16 roundings
+  inside a fused loop), so codes and scales are the reference's bit for bit (``tests/test_cpu_steps.py``
+  checks it on hard values, non-finite ones included).
+- **Attention** (:func:`attention`): :func:`kvpass.reference.attention` for one query token, written
+  as reductions over the stored parts so that each code is unpacked and scaled inside the loop that
+  reads it: no dequantized block is ever written (the reference writes one per 1365 SmolLM2 tokens),
+  and the fp cache is never materialised. Its sums run in another order than the reference's
+  matmuls, so it agrees within the fused kernels' tolerances, as the Triton kernel does.
+
+Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
+but for the cache's length, which the attention graph takes as a symbol, so each structure (spec,
+shape, which optional parts are present) compiles once (seconds, then Inductor's on-disk cache);
+prompts and chunks vary in length and their ops are large already, so they stay eager. Where
+Inductor cannot compile (no C++ compiler), the failure is logged once and the reference runs
+eagerly from then on; an input the reference itself rejects raises its error and leaves the
+compiled path on.
 """
 
 from __future__ import annotations
@@ -36,54 +46,179 @@ STEP_TOKENS = 1
 enabled = True
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, spec):
-    # Dynamo keeps at most recompile_limit (8) graphs per code object and every spec is a graph of
-    # its own: a process trying many schemes (kvpass eval) would run out and silently fall back.
-    # A copy of the code per spec leaves each spec that budget for its shapes (batch sizes, dtypes).
+def _compile(fn):
+    # Dynamo keeps at most recompile_limit (8) graphs per code object, and every spec (for attention,
+    # every structure) is a graph of its own: a process trying many schemes (kvpass eval) would run
+    # out and silently run the Python eagerly. A copy of the code per key leaves each its own budget.
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
     # Inductor would otherwise skip the fp16 round trip of a scale used within the same loop
     # (the clip search divides by fp16-rounded candidates): the codes would change.
     return torch.compile(own, dynamic=False, options={"emulate_precision_casts": True})
 
 
-def _takes(x: torch.Tensor) -> bool:
+# (function, key) -> its compiled copy.
+_compiled = {}
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
     # Inside another trace or a dispatch mode (opcheck's, a fake mode) the eager reference is the
     # one that composes; a subclass or a non-CPU tensor is not what Inductor's CPU code is for.
-    return (enabled and x.shape[2] == STEP_TOKENS and type(x) is torch.Tensor and x.device.type == "cpu"
+    return (enabled and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors if t is not None)
             and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)  # fmt: skip
 
 
-def _run(fn, x, spec, *args):
+def _run(fn, key, args, eager):
+    """``fn(*args)`` compiled (one code copy per ``key``), or ``eager()`` where Inductor fails."""
     global enabled
+    compiled = _compiled.get((fn, key))
+    if compiled is None:
+        # The first call of a key runs eagerly: it makes the reference's cached tensors (Hadamard
+        # matrix, clip divisors, field orders), which a graph compiled at the next call takes as
+        # inputs. Compiled first, the graph would make them at every call (and compile again once
+        # they exist).
+        _compiled[fn, key] = _compile(fn)
+        return eager()
     try:
         with warnings.catch_warnings():
-            # Notes about compiling, not about the numbers: Dynamo traces through the reference's
-            # lru_cache'd constants (Hadamard matrix, clip divisors), the same values either way, and
-            # Inductor's C++ code for a bf16 model's append converts to fp16 scales in one loop.
-            warnings.filterwarnings("ignore", message=r"Dynamo detected a call to a `functools.lru_cache`")
+            # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
+            # append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            # One token: its dimension's stride is arbitrary (V's new token arrives with another than
-            # K's), and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride.
-            return _compiled(fn, spec)(x.squeeze(2).unsqueeze(2), spec, *args)
+            return compiled(*args)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         # A bad input raises here again, as it would without compiling, and leaves the path on.
-        result = fn(x, spec, *args)
+        result = eager()
         enabled = False
-        log.warning("kvpass: decode-step quantization stays eager on CPU: Inductor failed (%s: %s)",
-                    type(err).__name__, err)  # fmt: skip
+        log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(err).__name__, err)
         return result
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    # One token: its dimension's stride is arbitrary (V's new token arrives with another than K's),
+    # and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride.
+    return x.squeeze(2).unsqueeze(2)
 
 
 def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):
     """:func:`kvpass.reference.encode`, compiled for a decode step's ``x``."""
-    if _takes(x):
-        return _run(reference.encode, x, spec, offset, reference.quantize, rounding)
+    if x.shape[2] == STEP_TOKENS and _takes(x):
+        args = (_step(x), spec, offset, reference.quantize, rounding)
+        return _run(reference.encode, spec, args, lambda: reference.encode(*args))
     return reference.encode(x, spec, offset, rounding=rounding)
 
 
 def encode_refined(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):
     """:func:`kvpass.reference.encode_refined`, compiled for a decode step's ``x``."""
-    if _takes(x):
-        return _run(reference.encode_refined, x, spec, reference.quantize, offset, rounding)
+    if x.shape[2] == STEP_TOKENS and _takes(x):
+        args = (_step(x), spec, reference.quantize, offset, rounding)
+        return _run(reference.encode_refined, spec, args, lambda: reference.encode_refined(*args))
     return reference.encode_refined(x, spec, offset=offset, rounding=rounding)
+
+
+# --- attention -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _reading(head_dim: int, spec, device: torch.device) -> torch.Tensor:
+    """``M [D, D]`` with ``x @ M`` = ``x`` in the order ``spec``'s stored blocks are read: rotated when
+    ``spec.rotate``, then in :func:`kvpass.reference.field_order`. Orthogonal: ``M.T`` reads back."""
+    base = reference.hadamard(head_dim, device) if spec.rotate else torch.eye(head_dim, device=device)
+    return base[:, reference.field_order(head_dim, spec, device)].contiguous()
+
+
+def _stored_parts(codes, scales, residual, spec, fine_codes, fine_scales, head):
+    """A cache's stored tokens, in order, as ``(values [B, H, n, D] fp32 field-major, quantized)`` parts.
+
+    Each part is an expression for Inductor to read inside its reduction, never a block in memory.
+    The refined tokens are a part of their own, so their two planes add element by element."""
+    order = reference.field_order(residual.shape[-1], spec, residual.device)
+    n_fine = 0 if fine_codes is None else fine_codes.shape[2]
+    split = codes.shape[2] - n_fine
+    parts = []
+    if head is not None and head.shape[2]:
+        parts.append((head.float()[..., order], False))
+    if split:
+        parts.append((reference.dequantize_field_major(codes[:, :, :split], scales[:, :, :split], spec), True))
+    if n_fine:
+        coarse = reference.dequantize_field_major(codes[:, :, split:], scales[:, :, split:], spec)
+        parts.append((coarse + reference.dequantize_field_major(fine_codes, fine_scales, spec), True))
+    if residual.shape[2]:
+        parts.append((residual.float()[..., order], False))
+    return parts
+
+
+def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
+                      scale, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
+                      v_head, v_offset, k_reading, v_reading, k_spec, v_spec):  # fmt: skip
+    B, Hq, _, D = q.shape
+    Hkv, Dv = v_new.shape[1], v_new.shape[-1]
+    qf = q.float().reshape(B, Hkv, Hq // Hkv, D)  # [B, Hkv, rep, D]: one query token
+    q_stored = qf @ k_reading
+    # A centered spec's offset is in every quantized key: its share of the score is one dot product.
+    k_offset = reference.fixed_or_none(k_offset)
+    k_order, v_order = reference.field_order(D, k_spec, q.device), reference.field_order(Dv, v_spec, q.device)
+    q_offset = None if k_offset is None else q_stored @ k_offset.float()[..., k_order].transpose(-1, -2)
+    scores = []
+    for k, quantized in _stored_parts(k_codes, k_scales, k_residual, k_spec, k_fine_codes, k_fine_scales, k_head):
+        s = (q_stored[:, :, :, None, :] * k[:, :, None]).sum(-1)
+        scores.append(s + q_offset if quantized and q_offset is not None else s)
+    scores.append((qf[:, :, :, None, :] * k_new.float()[:, :, None]).sum(-1))
+    s = torch.cat(scores, -1) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    if attn_mask is not None:  # as the reference groups it: [B, Hkv or 1, rep or 1, keys]
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)[:, :, 0]
+        attn_mask = attn_mask.unflatten(1, (Hkv, -1)) if attn_mask.shape[1] > 1 else attn_mask[:, :, None]
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    m = s.amax(-1, keepdim=True)
+    # A row whose keys are all masked keeps m = -inf; exp(-inf - -inf) would be NaN.
+    p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    denom = p.sum(-1, keepdim=True)
+    v_offset = reference.fixed_or_none(v_offset)
+    out, start = 0, 0
+    for v, quantized in _stored_parts(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head):
+        p_part = p[..., start : start + v.shape[2]]
+        out = out + (p_part[..., None] * v[:, :, None]).sum(-2)
+        if quantized and v_offset is not None:
+            out = out + p_part.sum(-1, keepdim=True) * v_offset.float()[..., v_order]
+        start += v.shape[2]
+    out = out @ v_reading.T + (p[..., start:, None] * v_new.float()[:, :, None]).sum(-2)
+    # A row with every key masked gives zeros, as torch's SDPA does; NaN (a poisoned group) propagates.
+    out = (out / denom).masked_fill(denom == 0, 0.0)
+    return out.reshape(B, Hq, 1, Dv).to(q.dtype)
+
+
+def _structure(t: torch.Tensor | None):
+    # What a graph specialises on besides the token count, which is a symbol once it is 2 or more.
+    if t is None:
+        return None
+    return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], t.stride()[:2], t.stride()[3:]
+
+
+def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+              is_causal, k_spec, v_spec, softcap=0.0, k_fine_codes=None, k_fine_scales=None, v_fine_codes=None,
+              v_fine_scales=None, k_head=None, k_offset=None, v_head=None, v_offset=None):  # fmt: skip
+    """:func:`kvpass.reference.attention`; for a decode step's one query over one new token, fused and
+    compiled (within tolerance of the reference, see the module's docstring)."""
+    stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_fine_codes, k_fine_scales,
+              v_fine_codes, v_fine_scales)  # fmt: skip
+    rest = (k_head, k_offset, v_head, v_offset)
+    args = (q, *stored[:6], k_new, v_new, attn_mask, scale, is_causal, k_spec, v_spec, softcap, *stored[6:], *rest)
+
+    def eager():
+        return reference.attention(*args)
+
+    # A static cache (no new tokens) holds unwritten rows the reference skips by block; is_causal with
+    # one query attends only the first key: both stay with the reference.
+    if not (q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
+            and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
+        return eager()
+    for t, dim in [(t, 2) for t in stored] + [(attn_mask, -1)]:
+        if t is not None and t.shape[dim] > 1:  # Dynamo specialises a length of 0 or 1 anyway
+            torch._dynamo.maybe_mark_dynamic(t, dim % t.dim())
+    k_reading = _reading(q.shape[-1], k_spec, q.device)
+    v_reading = _reading(v_new.shape[-1], v_spec, q.device)
+    key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)),
+           None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
+    compiled_args = (q, *stored[:6], _step(k_new), _step(v_new), attn_mask, scale, softcap, *stored[6:], *rest,
+                     k_reading, v_reading, k_spec, v_spec)  # fmt: skip
+    return _run(_decode_attention, key, compiled_args, eager)

@@ -1,8 +1,8 @@
 """The ``kv4::`` custom ops: the only places where KV numerics run.
 
 One op name per operation for every device: the FX pass emits these and never branches
-on device. CPU runs :mod:`kvpass.reference` (a decode step's quantization compiled by Inductor,
-:mod:`kvpass.cpu_steps`); CUDA runs the Triton kernels of
+on device. CPU runs :mod:`kvpass.reference` (a decode step's quantization and attention compiled
+by Inductor, :mod:`kvpass.cpu_steps`); CUDA runs the Triton kernels of
 ``kvpass.kernels`` when Triton is importable, else the same reference (which also serves
 specs whose groups span heads, ``QuantSpec.span_heads``: test-size heads only).
 
@@ -250,10 +250,10 @@ def attention(
     v_head: torch.Tensor | None = None,
     v_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention`.
-    ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any;
+    """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention` (on CPU a
+    decode step's runs fused, :func:`kvpass.cpu_steps.attention`). ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any;
     ``*_head``: fp sinks (``QuantSpec.sinks``); ``*_offset``: a centered spec's offset."""
-    return reference.attention(
+    return cpu_steps.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads),
         _spec(v_bits, v_scheme, v_group, v_rotate, v_symmetric, v_span_heads), softcap,

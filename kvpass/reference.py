@@ -60,7 +60,6 @@ Layouts (``B`` batch, ``H`` KV heads, ``S`` tokens, ``D`` head_dim, ``g`` the gr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -77,6 +76,20 @@ QUERY_SCALE_RANGE = 64.0
 # opcheck's comparisons support and float8 does not; :func:`scale_values` reads either kind.
 NARROW_SCALE_DTYPE = torch.uint8
 _NARROW_SCALE_FORMAT = torch.float8_e5m2
+
+
+def _made_once(make):
+    """``make`` (a small tensor from hashable arguments) cached in a plain dict. A graph compiled
+    from a caller (:mod:`kvpass.cpu_steps`) then takes the cached tensor as an input: Dynamo traces
+    through an ``lru_cache``, which would redo the making inside every call of the compiled code."""
+    made = {}
+
+    def cached(*args):
+        if args not in made:
+            made[args] = make(*args)
+        return made[args]
+
+    return cached
 
 
 def scale_dtype(spec: QuantSpec, heads: int, head_dim: int) -> torch.dtype:
@@ -223,7 +236,7 @@ def _clipped(groups: torch.Tensor, dim: int, qmax: int, dtype: torch.dtype) -> t
     return scale.reshape(x.shape[:-1]), codes.reshape(x.shape).movedim(-1, dim)
 
 
-@functools.lru_cache(maxsize=None)
+@_made_once
 def _signed_divisors(qmax: int, device: torch.device) -> torch.Tensor:
     # [t0, -t0, t1, -t1, ...]: amax / -t is exactly -(amax / t), so one division gives every
     # candidate in the order tried. Cached: a decode step quantizes a few groups, and building
@@ -323,7 +336,7 @@ def error_bound(scale: torch.Tensor, spec: QuantSpec, zero: torch.Tensor | None 
 # --- rotation --------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=32)
+@_made_once
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:
     # Sylvester's construction needs a power of two; other sizes (head_dim 80, 96) get
     # Hadamard blocks of the largest power of two dividing n along the diagonal.
@@ -476,7 +489,7 @@ def _field_run(D: int, spec: QuantSpec) -> int:
     return (spec.token_group(D) if within_head else D) * spec.bits // 8
 
 
-@functools.lru_cache(maxsize=32)
+@_made_once
 def _field_order(D: int, bits: int, run: int, device: torch.device) -> torch.Tensor:
     per_byte = 8 // bits
     return torch.arange(D, device=device).view(-1, run, per_byte).transpose(1, 2).flatten()

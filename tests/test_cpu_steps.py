@@ -1,5 +1,7 @@
-"""A CPU decode step's quantization compiled by Inductor (kvpass.cpu_steps): the eager reference's
-codes and scales bit for bit, taken only where it composes, and eager again where it cannot compile."""
+"""A CPU decode step's kv4 ops compiled by Inductor (kvpass.cpu_steps): the quantization gives the eager
+reference's codes and scales bit for bit, the attention agrees with the reference within the rounding
+its other order of sums allows; each is taken only where it composes, and eager again where it cannot
+compile."""
 
 import logging
 import warnings
@@ -9,8 +11,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import DynamicCache
 
-from kvpass import cpu_steps, ops, reference
+from kvpass import cpu_steps, ops, packed, reference
 from kvpass.config import KVConfig, QuantSpec
+from kvpass.packed import PackedKV
 from tests.helpers import bits_equal, hard_values, kv_heavy_llama
 
 DEFAULT = KVConfig()
@@ -18,7 +21,31 @@ DEFAULT = KVConfig()
 
 @pytest.fixture
 def compiled_steps(monkeypatch):
+    """The compiled path on, with no graphs yet; the list of functions whose compiled code ran, one
+    entry a call (a key's first call runs eagerly)."""
     monkeypatch.setattr(cpu_steps, "enabled", True)
+    monkeypatch.setattr(cpu_steps, "_compiled", {})
+    ran = []
+    compile_ = cpu_steps._compile
+
+    def recording(fn):
+        compiled = compile_(fn)
+
+        def call(*args):
+            out = compiled(*args)
+            ran.append(fn)
+            return out
+
+        return call
+
+    monkeypatch.setattr(cpu_steps, "_compile", recording)
+    return ran
+
+
+def _second(call):
+    """``call()``'s result the second time: the first call of a graph's key runs eagerly."""
+    call()
+    return call()
 
 
 def _decode_steps(batch, heads, head_dim, dtype, seed):
@@ -48,8 +75,8 @@ def test_a_decode_steps_compiled_quantization_is_the_references_bit_for_bit(comp
                 else reference.encode(x, spec, offset))  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # compiling is silent: a user sees none of it
-        got = encode(x, spec, offset)
-    assert cpu_steps.enabled, "the compiled path failed and fell back"
+        got = _second(lambda: encode(x, spec, offset))
+    assert compiled_steps == [reference.encode_refined if refined else reference.encode]
     assert len(got) == len(expected)
     for out, ref in zip(got, expected):
         assert out.dtype == ref.dtype and out.shape == ref.shape
@@ -61,18 +88,17 @@ def test_equal_specs_share_one_compiled_graph(compiled_steps):
     # ops.quantize_refined builds a new QuantSpec each call: the graph must guard on its values.
     x = torch.randn(2, 3, 1, 64)
     args = (x, *ops.codec_args(DEFAULT.v), DEFAULT.v.refine)
-    ops.quantize_refined(*args)
+    _second(lambda: ops.quantize_refined(*args))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(3):
         ops.quantize_refined(*args)
-    assert cpu_steps.enabled and cpu_steps._compiled.cache_info().currsize, "it compiled, not fell back"
+    assert compiled_steps == [reference.encode_refined] * 4
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_only_plain_cpu_decode_steps_take_the_compiled_path(compiled_steps, monkeypatch):
     step = torch.randn(1, 2, 1, 64)
     assert cpu_steps._takes(step)
-    assert not cpu_steps._takes(torch.randn(1, 2, 2, 64)), "a prompt or chunk stays eager"
     with FakeTensorMode() as mode:
         assert not cpu_steps._takes(mode.from_tensor(step))
     monkeypatch.setattr(cpu_steps, "enabled", False)
@@ -80,47 +106,51 @@ def test_only_plain_cpu_decode_steps_take_the_compiled_path(compiled_steps, monk
 
 
 def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps, monkeypatch, caplog):
-    def no_compiler(fn, spec):
+    def no_compiler(fn):
         def fails(*args):
             raise RuntimeError("no C++ compiler")
 
         return fails
 
-    monkeypatch.setattr(cpu_steps, "_compiled", no_compiler)
+    monkeypatch.setattr(cpu_steps, "_compile", no_compiler)
     x = torch.randn(1, 2, 1, 64)
     with caplog.at_level(logging.WARNING, logger="kvpass"):
-        got = cpu_steps.encode_refined(x, DEFAULT.v)
+        got = _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
     assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, DEFAULT.v)))
     assert not cpu_steps.enabled
     assert "Inductor failed (RuntimeError: no C++ compiler)" in caplog.text
 
 
 def test_an_input_the_reference_rejects_raises_its_error_and_keeps_the_compiled_path(compiled_steps):
-    with pytest.raises(ValueError, match="head_dim 7 must be a multiple of 2"):
-        cpu_steps.encode(torch.randn(1, 2, 1, 7), QuantSpec(4, "token", 16))
+    for _ in range(2):  # eagerly, then through the compiled code
+        with pytest.raises(ValueError, match="head_dim 7 must be a multiple of 2"):
+            cpu_steps.encode(torch.randn(1, 2, 1, 7), QuantSpec(4, "token", 16))
     assert cpu_steps.enabled
 
 
-def test_opcheck_with_the_compiled_path(compiled_steps, monkeypatch):
-    runs = []
-    run = cpu_steps._run
-    monkeypatch.setattr(cpu_steps, "_run", lambda *args: runs.append(args[0]) or run(*args))
+def test_opcheck_with_the_compiled_path(compiled_steps):
     x = torch.randn(2, 3, 1, 64)
     torch.library.opcheck(ops.quantize_refined, (x, *ops.codec_args(DEFAULT.v), DEFAULT.v.refine))
     torch.library.opcheck(ops.quantize, (x, *ops.codec_args(QuantSpec(bits=4, scheme="token", group=32))))
-    # opcheck calls the real kernel on plain tensors too: those calls went through the compiled code.
-    assert reference.encode_refined in runs and reference.encode in runs
-    assert cpu_steps.enabled
+    k, v = (PackedKV.from_float(torch.randn(2, 3, 70, 64), spec) for spec in (DEFAULT.k.for_slots, DEFAULT.v))
+    args = (torch.randn(2, 6, 1, 64), k.codes, k.scales, k.residual, v.codes, v.scales, v.residual,
+            torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), None, 0.125, False,
+            *ops.spec_args(k.spec), *ops.spec_args(v.spec), 0.0, None, None, v.fine_codes, v.fine_scales)  # fmt: skip
+    torch.library.opcheck(ops.attention, args)
+    # opcheck calls the real kernel on plain tensors too, more than once: the later calls went
+    # through the compiled code.
+    assert {reference.encode_refined, reference.encode, cpu_steps._decode_attention} <= set(compiled_steps)
 
 
 @torch.no_grad()
-def test_a_kv4_model_decodes_the_same_logits_with_the_compiled_path(monkeypatch):
+def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
     model = kv_heavy_llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
-    runs = []
-    run = cpu_steps._run
-    monkeypatch.setattr(cpu_steps, "_run", lambda *args: runs.append(args[0]) or run(*args))
-    logits = {}
+    ran = []
+    compile_ = cpu_steps._compile
+    monkeypatch.setattr(cpu_steps, "_compiled", {})
+    monkeypatch.setattr(cpu_steps, "_compile", lambda fn: (lambda c: lambda *a: ran.append(fn) or c(*a))(compile_(fn)))
+    logits, caches = {}, {}
     for enabled in (False, True):
         monkeypatch.setattr(cpu_steps, "enabled", enabled)
         torch._dynamo.reset()
@@ -129,10 +159,20 @@ def test_a_kv4_model_decodes_the_same_logits_with_the_compiled_path(monkeypatch)
             out = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
             logits[enabled].append(out)
             token = out.argmax(-1, keepdim=True)
+        caches[enabled] = cache
     assert cpu_steps.enabled
-    # K and V of 2 layers, 3 decode steps, all through the compiled reference.
-    assert runs == [reference.encode_refined] * 12
-    assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False]))
+    # 3 decode steps of 2 layers; a key's first call (the first step's first layer's) runs eagerly, and
+    # K's and V's appends share one (their codecs are equal).
+    assert ran.count(reference.encode_refined) == 2 * 2 * 3 - 1
+    assert ran.count(cpu_steps._decode_attention) == 2 * 3 - 1
+    # The cache holds the same bits both ways; the logits move by the attention's order of sums only.
+    for on, off in zip(caches[True].layers, caches[False].layers):
+        for a, b in ((on.keys, off.keys), (on.values, off.values)):
+            names = a.__tensor_flatten__()[0]
+            assert names == b.__tensor_flatten__()[0]
+            assert all(bits_equal(getattr(a, name), getattr(b, name)) for name in names)
+    for a, b in zip(logits[True], logits[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps, monkeypatch):
@@ -144,7 +184,8 @@ def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps
     torch._dynamo.reset()  # a spec another test compiled compiles again here
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for spec in specs:
-        assert all(torch.equal(a, b) for a, b in zip(cpu_steps.encode(x, spec), reference.encode(x, spec)))
+        got = _second(lambda: cpu_steps.encode(x, spec))
+        assert all(torch.equal(a, b) for a, b in zip(got, reference.encode(x, spec)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + len(specs)
 
 
@@ -153,9 +194,106 @@ def test_a_tokens_stride_does_not_compile_another_graph(compiled_steps):
     x = torch.randn(1, 1, 3, 64).transpose(1, 2)  # [1, 3, 1, 64], the token dimension's stride 192
     spec = QuantSpec(4, "token", 16, symmetric=False)
     assert x.is_contiguous() and x.stride(2) != torch.randn(1, 3, 1, 64).stride(2)
-    cpu_steps.encode(x.contiguous(), spec)
+    _second(lambda: cpu_steps.encode(x.contiguous(), spec))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     y = torch.randn(1, 3, 1, 64)
     got = cpu_steps.encode(y, spec)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert all(torch.equal(a, b) for a, b in zip(got, reference.encode(y, spec)))
+
+
+# --- attention -------------------------------------------------------------------------
+
+# The fused decode attention against the reference, per query dtype. Both sum in fp32, in other
+# orders (a few ulp of outputs that are O(1)), and round the output to the query's dtype once, where
+# those ulp can move it by one step of that dtype: its epsilon, relative.
+TOLERANCE = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=2**-10),
+    torch.bfloat16: dict(atol=1e-5, rtol=2**-7),
+}
+KIVI = (QuantSpec(bits=4, scheme="channel", group=32), QuantSpec(bits=4, scheme="token", group=64, rotate=True))
+ASYM_INT2_INT8 = (QuantSpec(bits=2, scheme="token", group=16, symmetric=False), QuantSpec(bits=8, scheme="token", group=32))
+
+
+def _caches(specs, batch, heads, past, dtype, seed):
+    """K and V caches of ``past`` tokens built as a model builds them (a prompt, then decode steps),
+    so every extra of their specs is there, and the queries that read them."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    shared = 4 * randn(batch, heads, 1, 64)  # a direction all keys share, which a centered K takes out
+    prompt = past - 3
+    q = randn(batch, 3 * heads, prompt, 64)
+    k = PackedKV.from_float(shared + randn(batch, heads, prompt, 64), specs[0], query=q)
+    v = PackedKV.from_float(randn(batch, heads, prompt, 64), specs[1])
+    for _ in range(3):
+        k = k.append(shared + randn(batch, heads, 1, 64), query=randn(batch, 3 * heads, 1, 64))
+        v = v.append(randn(batch, heads, 1, 64))
+    return k, v, shared + randn(batch, heads, 1, 64), randn(batch, heads, 1, 64), randn(batch, 3 * heads, 1, 64)
+
+
+@pytest.mark.parametrize(
+    "specs, dtype, mask, softcap",
+    [
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0),
+        (KIVI, torch.float16, "bool", 30.0),
+        (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0),
+    ],
+    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask"],
+)
+def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps, monkeypatch, specs, dtype, mask,
+                                                                  softcap):  # fmt: skip
+    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=specs[0].bits)
+    assert k.codes.shape[2] and (mask is not None or (k.head.shape[2] and k.offset.shape[2] and v.fine_codes.shape[2]))
+    assert mask is None or specs[0].scheme != "channel" or k.residual.shape[2], "K's waiting tail is read"
+    keys = k.shape[2] + 1
+    if mask is None:
+        attn_mask = None
+    else:  # row 0 sees every key, row 1 misses its first 5 (left padding), row 2 none (zeros out)
+        seen = torch.ones(3, 1, 1, keys, dtype=torch.bool)
+        seen[1, ..., :5] = False
+        seen[2] = False
+        attn_mask = seen if mask == "bool" else torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
+
+    def attend():
+        return packed.attention(q, k, v, k_new, v_new, attn_mask, None, False, softcap)
+
+    got = _second(attend)
+    assert compiled_steps.count(cpu_steps._decode_attention) == 1
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    expected = attend()
+    assert got.dtype == expected.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    if mask is not None:
+        assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
+
+
+def test_the_fused_attention_takes_the_cache_length_as_a_symbol(compiled_steps):
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 100, torch.float32, seed=3)
+    _second(lambda: packed.attention(q, k, v, k_new, v_new))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):  # as decode steps go: one more token each, and the refined plane moves along
+        k, v = k.append(k_new, query=q), v.append(v_new)
+        got = packed.attention(q, k, v, k_new, v_new)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_steps.count(cpu_steps._decode_attention) == 4
+    by_scales = reference.by_query_scales  # packed.attention reads a query-scaled K with q / s
+    expected = reference.attention(by_scales(q, k.query_scales, -1), k.codes, k.scales, k.residual, v.codes,
+                                   v.scales, v.residual, by_scales(k_new, k.query_scales, 1), v_new, None, 0.125,
+                                   False, k.spec, v.spec, 0.0, k.fine_codes, k.fine_scales, v.fine_codes,
+                                   v.fine_scales, k.head, k.offset, v.head, v.offset)  # fmt: skip
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
+
+
+def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference(compiled_steps):
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 100, torch.float32, seed=4)
+    k4, v4, q4 = (torch.cat([t] * 4, dim=2) for t in (k_new, v_new, q))
+    for _ in range(2):
+        packed.attention(q4, k, v, k4, v4)  # a chunk of 4 queries
+        packed.attention(q, k, v)  # a static cache's step: its new token is in the buffer
+        packed.attention(q, k, v, k_new, v_new, is_causal=True)  # top-left causal: the first key only
+    assert cpu_steps._decode_attention not in compiled_steps
+    assert all(fn is not cpu_steps._decode_attention for fn, _ in cpu_steps._compiled)
