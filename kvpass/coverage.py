@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpass import arguments
+from kvpass import arguments, cpu_steps
 
 log = logging.getLogger("kvpass")
 
@@ -311,6 +311,7 @@ def tiny_fields(config, ties: dict | None = None, grow: bool = True) -> dict:
     return out
 
 
+@cpu_steps.reference_attention()
 def check_one(model_type: str, routes: bool = False, settings: dict | None = None) -> dict:
     """The row of one model type; runs in a subprocess (see :func:`run`). ``routes``: also
     :func:`check_routes` once the type is fully rewritten. ``settings``: ``kvpass.kv4``'s keyword

@@ -27,6 +27,7 @@ compiled path on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -44,6 +45,8 @@ STEP_TOKENS = 1
 # Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
 # tests of this module turn it on and compare with the eager reference.
 enabled = True
+# Whether a decode step's attention takes the fused form; off within reference_attention().
+fused_attention = True
 
 
 def _compile(fn):
@@ -115,6 +118,23 @@ def encode_refined(x: torch.Tensor, spec, offset: torch.Tensor | None = None, ro
 
 
 # --- attention -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def reference_attention():
+    """Attention computed by the reference, decode steps included, within this context (or function,
+    as a decorator). kvpass's measurements (``kvpass eval``, ``kvpass coverage``) run in it: the fused
+    form's last bits differ from the reference's, and a 4-bit cache's discontinuities (a code, a clip
+    candidate or a rounding choice that flips) carry such bits into whole tokens' losses, so a
+    chunk-1 perplexity or a greedy agreement would differ from the documented numbers by amounts
+    within their standard errors (256 tokens of KJV: +0.22% against +1.59%, SE 1.6%) and would
+    not reproduce. The quantization is the reference's bit for bit either way."""
+    global fused_attention
+    before, fused_attention = fused_attention, False
+    try:
+        yield
+    finally:
+        fused_attention = before
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,6 +214,22 @@ def _structure(t: torch.Tensor | None):
     return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], t.stride()[:2], t.stride()[3:]
 
 
+def _unviewed(t: torch.Tensor) -> torch.Tensor:
+    # A cache's codes and scales are views of a storage with spare rows: Dynamo would trace the view
+    # from its base and guard that the length fits the base, compiling again each time it regrows.
+    # The same memory as a tensor of its own has no base to fit.
+    if not t._is_view():
+        return t
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
+    # The second planes and the fp tail (a few dozen tokens at most) are views whose storage offset
+    # moves as tokens pass through them; Dynamo specialises an offset of 0 or 1, so each would compile
+    # again when it came round. A copy of a few KiB starts at 0.
+    return t if t is None or t.storage_offset() == 0 else t.clone()
+
+
 def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
               is_causal, k_spec, v_spec, softcap=0.0, k_fine_codes=None, k_fine_scales=None, v_fine_codes=None,
               v_fine_scales=None, k_head=None, k_offset=None, v_head=None, v_offset=None):  # fmt: skip
@@ -209,9 +245,10 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
 
     # A static cache (no new tokens) holds unwritten rows the reference skips by block; is_causal with
     # one query attends only the first key: both stay with the reference.
-    if not (q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
+    if not (fused_attention and q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
         return eager()
+    stored = tuple(_unviewed(t) if i in (0, 1, 3, 4) else _at_offset_zero(t) for i, t in enumerate(stored))
     for t, dim in [(t, 2) for t in stored] + [(attn_mask, -1)]:
         if t is not None and t.shape[dim] > 1:  # Dynamo specialises a length of 0 or 1 anyway
             torch._dynamo.maybe_mark_dynamic(t, dim % t.dim())

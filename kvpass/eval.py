@@ -90,7 +90,7 @@ from typing import Callable
 
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, cpu_steps
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
@@ -315,6 +315,7 @@ def progress_bar(total, desc, enabled):
 
 
 @torch.no_grad()
+@cpu_steps.reference_attention()
 def streaming_nll(
     runner: Runner, ids: torch.Tensor, chunk: int, progress: bool = False, desc: str = "",
     predictions: list | None = None, token_nll: list | None = None, prefill: int | None = None,
@@ -365,6 +366,7 @@ def perplexity(runner: Runner, ids: torch.Tensor, chunk: int, **kwargs) -> float
 
 
 @torch.no_grad()
+@cpu_steps.reference_attention()
 def greedy(
     runner: Runner, prompts: torch.Tensor, new_tokens: int, progress: bool = False, desc: str = "",
     margins: list | None = None,

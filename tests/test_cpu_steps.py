@@ -297,3 +297,47 @@ def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference
         packed.attention(q, k, v, k_new, v_new, is_causal=True)  # top-left causal: the first key only
     assert cpu_steps._decode_attention not in compiled_steps
     assert all(fn is not cpu_steps._decode_attention for fn, _ in cpu_steps._compiled)
+
+
+def test_a_cache_regrowing_and_its_planes_sliding_compile_nothing_more(compiled_steps, monkeypatch):
+    # Codes live in a storage with spare rows that regrows, and the second plane's view slides through
+    # its storage: Dynamo guarded on both (the length fitting the storage, an offset of 0 or 1).
+    gen = torch.Generator().manual_seed(5)
+    # 300 tokens: K's second plane has its 2 rows or more already (a shorter cache's grows from none,
+    # each of 0, 1 and more being a structure of its own).
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 300, torch.float32, seed=5)
+    assert k.fine_codes.shape[2] >= 2
+    for _ in range(3):
+        k, v = k.append(k_new, query=q), v.append(v_new)
+        packed.attention(q, k, v, k_new, v_new)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    storage_bytes, plane_offsets = set(), set()
+    for _ in range(300):
+        k_new, v_new = torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
+        k, v = k.append(k_new, query=q), v.append(v_new)
+        got = packed.attention(q, k, v, k_new, v_new)
+        storage_bytes.add(k.codes.untyped_storage().nbytes())
+        plane_offsets.add(k.fine_codes.storage_offset())
+    assert len(storage_bytes) > 1 and 0 in plane_offsets and len(plane_offsets) > 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_steps.count(cpu_steps._decode_attention) == 3 - 1 + 300
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+
+
+def test_kvpass_evals_numbers_do_not_depend_on_the_compiled_path(compiled_steps, monkeypatch):
+    # Its measurements run the reference attention, so documented numbers reproduce to the last bit;
+    # the quantization is compiled all the same.
+    from kvpass import eval as kv_eval
+
+    model = kv_heavy_llama()
+    ids = torch.randint(2, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
+    runner = kv_eval.Runner(model, kv_eval.parse_method("kv4"))
+    nll = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(cpu_steps, "enabled", enabled)
+        torch._dynamo.reset()
+        nll[enabled], scored, _ = kv_eval.streaming_nll(runner, ids, 1, prefill=70)
+    assert scored == 10 and nll[True] == nll[False]
+    assert reference.encode_refined in compiled_steps and cpu_steps._decode_attention not in compiled_steps
+    assert cpu_steps.fused_attention
