@@ -41,6 +41,9 @@ from kvpass import reference
 log = logging.getLogger("kvpass")
 
 STEP_TOKENS = 1
+# Inductor's CPU code sums more than this many floats in chunks (its accumulation helper) and fewer
+# plainly, a choice it guards on: a decode step's attention compiles again once its keys pass it.
+SUM_CHUNK = 4096
 
 # Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
 # tests of this module turn it on and compare with the eager reference.
@@ -214,15 +217,6 @@ def _structure(t: torch.Tensor | None):
     return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], t.stride()[:2], t.stride()[3:]
 
 
-def _unviewed(t: torch.Tensor) -> torch.Tensor:
-    # A cache's codes and scales are views of a storage with spare rows: Dynamo would trace the view
-    # from its base and guard that the length fits the base, compiling again each time it regrows.
-    # The same memory as a tensor of its own has no base to fit.
-    if not t._is_view():
-        return t
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
     # The second planes and the fp tail (a few dozen tokens at most) are views whose storage offset
     # moves as tokens pass through them; Dynamo specialises an offset of 0 or 1, so each would compile
@@ -248,7 +242,8 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
     if not (fused_attention and q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
         return eager()
-    stored = tuple(_unviewed(t) if i in (0, 1, 3, 4) else _at_offset_zero(t) for i, t in enumerate(stored))
+    k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
+    stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)
     for t, dim in [(t, 2) for t in stored] + [(attn_mask, -1)]:
         if t is not None and t.shape[dim] > 1:  # Dynamo specialises a length of 0 or 1 anyway
             torch._dynamo.maybe_mark_dynamic(t, dim % t.dim())

@@ -301,7 +301,7 @@ def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference
 
 def test_a_cache_regrowing_and_its_planes_sliding_compile_nothing_more(compiled_steps, monkeypatch):
     # Codes live in a storage with spare rows that regrows, and the second plane's view slides through
-    # its storage: Dynamo guarded on both (the length fitting the storage, an offset of 0 or 1).
+    # its storage, whose offset of 0 or 1 Dynamo specialised (a graph each time it came round).
     gen = torch.Generator().manual_seed(5)
     # 300 tokens: K's second plane has its 2 rows or more already (a shorter cache's grows from none,
     # each of 0, 1 and more being a structure of its own).

@@ -67,7 +67,7 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     import torch
     from torch._dynamo.utils import counters
 
-    from kvpass import bench
+    from kvpass import bench, cpu_steps
 
     dtype, how = bench.CACHES[cache]
     model = bench.build_model(dtype, **(sizes or {}))
@@ -76,7 +76,10 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, the last shorter chunk,
     # decode steps) at the measured sizes, so no graph compiles while measuring: Dynamo's memory
     # would count as the cache's (64-token warm-up chunks left two graphs to the 16K fill of 256-token ones).
-    warm = bench.fill(step, new_cache(), batch, 3 * chunk + ctx % chunk, chunk=chunk, vocab=vocab)
+    warm_tokens = 3 * chunk + ctx % chunk
+    if ctx >= cpu_steps.SUM_CHUNK:  # a CPU decode step's attention over more keys is a graph of its own
+        warm_tokens += -(-cpu_steps.SUM_CHUNK // chunk) * chunk
+    warm = bench.fill(step, new_cache(), batch, warm_tokens, chunk=chunk, vocab=vocab)
     for _ in range(3):
         warm = bench.decode_step(step, warm, batch)
     del warm
