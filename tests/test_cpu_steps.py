@@ -216,9 +216,9 @@ KIVI = (QuantSpec(bits=4, scheme="channel", group=32), QuantSpec(bits=4, scheme=
 ASYM_INT2_INT8 = (QuantSpec(bits=2, scheme="token", group=16, symmetric=False), QuantSpec(bits=8, scheme="token", group=32))
 
 
-def _caches(specs, batch, heads, past, dtype, seed):
+def _caches(specs, batch, heads, past, dtype, seed, rep=3):
     """K and V caches of ``past`` tokens built as a model builds them (a prompt, then decode steps),
-    so every extra of their specs is there, and the queries that read them."""
+    so every extra of their specs is there, and the queries (``rep`` per KV head) that read them."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -226,27 +226,28 @@ def _caches(specs, batch, heads, past, dtype, seed):
 
     shared = 4 * randn(batch, heads, 1, 64)  # a direction all keys share, which a centered K takes out
     prompt = past - 3
-    q = randn(batch, 3 * heads, prompt, 64)
+    q = randn(batch, rep * heads, prompt, 64)
     k = PackedKV.from_float(shared + randn(batch, heads, prompt, 64), specs[0], query=q)
     v = PackedKV.from_float(randn(batch, heads, prompt, 64), specs[1])
     for _ in range(3):
-        k = k.append(shared + randn(batch, heads, 1, 64), query=randn(batch, 3 * heads, 1, 64))
+        k = k.append(shared + randn(batch, heads, 1, 64), query=randn(batch, rep * heads, 1, 64))
         v = v.append(randn(batch, heads, 1, 64))
-    return k, v, shared + randn(batch, heads, 1, 64), randn(batch, heads, 1, 64), randn(batch, 3 * heads, 1, 64)
+    return k, v, shared + randn(batch, heads, 1, 64), randn(batch, heads, 1, 64), randn(batch, rep * heads, 1, 64)
 
 
 @pytest.mark.parametrize(
-    "specs, dtype, mask, softcap",
+    "specs, dtype, mask, softcap, rep",
     [
-        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0),
-        (KIVI, torch.float16, "bool", 30.0),
-        (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0),
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 3),
+        (KIVI, torch.float16, "bool", 30.0, 3),
+        (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0, 3),
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, cpu_steps.ROW_SUMS + 1),  # one sum for every head
     ],
-    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask"],
+    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask", "default-fp32-many-heads"],
 )
 def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps, monkeypatch, specs, dtype, mask,
-                                                                  softcap):  # fmt: skip
-    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=specs[0].bits)
+                                                                  softcap, rep):  # fmt: skip
+    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=specs[0].bits, rep=rep)
     assert k.codes.shape[2] and (mask is not None or (k.head.shape[2] and k.offset.shape[2] and v.fine_codes.shape[2]))
     assert mask is None or specs[0].scheme != "channel" or k.residual.shape[2], "K's waiting tail is read"
     keys = k.shape[2] + 1
