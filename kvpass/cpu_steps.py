@@ -20,10 +20,10 @@ into a few C++ loops:
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
 but for the cache's length, which the attention graph takes as a symbol, so each structure (spec,
 shape, which optional parts are present) compiles once, and once more past ``SUM_CHUNK`` keys
-(seconds, then Inductor's on-disk cache); prompts and chunks vary in length and their ops are large already, so they stay eager. Where
-Inductor cannot compile (no C++ compiler), the failure is logged once and the reference runs
-eagerly from then on; an input the reference itself rejects raises its error and leaves the
-compiled path on.
+(seconds, then Inductor's on-disk cache); prompts and chunks vary in length and their ops are large
+already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure is logged
+once and the reference runs eagerly from then on; an input the reference itself rejects raises its
+error and leaves the compiled path on.
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ def _stored_parts(codes, scales, residual, spec, fine_codes, fine_scales, head):
 
 
 # Query heads per KV head up to which each reads a part in a sum of its own: Inductor fuses sums over
-# the same tokens into one loop that unpacks each code once (1.3-1.9x faster at SmolLM2's 3 than one
-# broadcast sum, which unpacks it once per query head); more heads would be as many accumulators.
+# the same tokens into one loop that unpacks each code once, where one broadcast sum unpacks it once
+# per query head (docs/design.md); more heads would be as many accumulators.
 ROW_SUMS = 8
 
 
@@ -209,9 +209,8 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
     s = torch.cat(scores, -1) * scale
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    if attn_mask is not None:  # as the reference groups it: [B, Hkv or 1, rep or 1, keys]
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)[:, :, 0]
-        attn_mask = attn_mask.unflatten(1, (Hkv, -1)) if attn_mask.shape[1] > 1 else attn_mask[:, :, None]
+    if attn_mask is not None:
+        attn_mask = reference.grouped_mask(attn_mask, Hkv)[:, :, :, 0]  # one query token
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
     m = s.amax(-1, keepdim=True)
     # A row whose keys are all masked keeps m = -inf; exp(-inf - -inf) would be NaN.

@@ -251,8 +251,9 @@ def attention(
     v_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[stored past, exact new tokens]``; see :func:`kvpass.reference.attention` (on CPU a
-    decode step's runs fused, :func:`kvpass.cpu_steps.attention`). ``*_fine_*``: the second code plane of a refined spec (``QuantSpec.refine``), if any;
-    ``*_head``: fp sinks (``QuantSpec.sinks``); ``*_offset``: a centered spec's offset."""
+    decode step's runs fused, :func:`kvpass.cpu_steps.attention`). ``*_fine_*``: the second code
+    plane of a refined spec (``QuantSpec.refine``), if any; ``*_head``: fp sinks
+    (``QuantSpec.sinks``); ``*_offset``: a centered spec's offset."""
     return cpu_steps.attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads),

@@ -1048,6 +1048,15 @@ def _block_tokens(k_spec: QuantSpec, v_spec: QuantSpec, token_elements: int) -> 
     return max(step, target - target % step)
 
 
+def grouped_mask(attn_mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """An SDPA mask (broadcasting to ``[B, Hq, T, keys]``) against scores viewed per query head,
+    ``[B, kv_heads, rep, T, keys]``, as a view: a mask shared by the heads (HF's ``[B, 1, T, P]``)
+    broadcasts as it is. Grouping it by KV head copied it for every head (at first the whole mask per
+    call, 32 MiB for a 256-token chunk of 32 query heads at 4K; then per block, with its inverse)."""
+    attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)
+    return attn_mask.unflatten(1, (kv_heads, -1)) if attn_mask.shape[1] > 1 else attn_mask[:, :, None]
+
+
 def attention(
     q: torch.Tensor,
     k_codes: torch.Tensor,
@@ -1120,12 +1129,7 @@ def attention(
     k_order, v_order = field_order(D, k_spec, q.device), field_order(Dv, v_spec, q.device)
     q_stored = q_stored[..., k_order]
     if attn_mask is not None:
-        # Against the scores viewed per query head, [B, Hkv, rep, T, keys]: a mask shared by the heads
-        # (HF's [B, 1, T, P]) broadcasts as it is. Grouping it by KV head copied it for every head (at
-        # first the whole mask per call, 32 MiB for a 256-token chunk of 32 query heads at 4K; then per
-        # block, with its inverse).
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)
-        attn_mask = attn_mask.unflatten(1, (Hkv, rep)) if attn_mask.shape[1] > 1 else attn_mask[:, :, None]
+        attn_mask = grouped_mask(attn_mask, Hkv)
 
     def mask_columns(start, stop):
         return attn_mask[..., start:stop]
