@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import traceback
 
 import torch
 
@@ -41,6 +42,9 @@ QUANTIZE_CASES = [
     (QuantSpec(4, "token", 64, clip=True), (3, 8, 1000, 128)),
     (QuantSpec(4, "channel", 64, clip=True), (2, 8, 4096, 128)),
     (QuantSpec(8, "token", 32, clip=True), (2, 2, 33, 64)),
+    # Asymmetric: the reference's (hi - lo) / code_max must divide as the kernel does on CUDA too.
+    (QuantSpec(4, "token", 64, symmetric=False), (3, 8, 1000, 128)),
+    (QuantSpec(4, "channel", 64, symmetric=False), (2, 8, 4096, 128)),
 ]
 # batch, q heads, kv heads, q_len, past, head_dim, dtype, specs, mask ("causal", "chunk", "pad", None)
 ATTENTION_CASES = [
@@ -84,7 +88,25 @@ def check_quantize(kernels) -> bool:
             same = same and torch.equal(scales.nan_to_num(0).view(torch.int16), scales_ref.nan_to_num(0).view(torch.int16))
             ok &= same
             print(f"quantize {spec.tag:18} {str(list(shape)):22} {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+            if not same:
+                _describe_mismatch(x, spec, codes, scales, codes_ref, scales_ref)
     return ok
+
+
+def _describe_mismatch(x, spec, codes, scales, codes_ref, scales_ref) -> None:
+    """How many codes and scales differ, and the first differing scale's group (to tell a
+    division's or a conversion's rounding from a wrong index)."""
+    code_diff = (codes != codes_ref).nonzero()
+    scale_diff = ((scales.view(torch.int16) != scales_ref.view(torch.int16)) & ~(scales.isnan() & scales_ref.isnan())).nonzero()
+    print(f"    {len(code_diff)} of {codes.numel()} code bytes differ (first {code_diff[:3].tolist()}), "
+          f"{len(scale_diff)} of {scales.numel()} scales (first {scale_diff[:3].tolist()})")
+    if len(scale_diff):
+        where = tuple(scale_diff[0].tolist())
+        print(f"    scale at {where}: kernel {scales[where].item()!r} reference {scales_ref[where].item()!r}")
+        if spec.scheme == "token":
+            b, h, t, g = where[:4]
+            group = x[b, h, t, g * spec.group : (g + 1) * spec.group].float()
+            print(f"    its group's amax {group.abs().max().item()!r} ({spec.group} values)")
 
 
 def check_quantize_refined() -> bool:
@@ -330,11 +352,25 @@ def main() -> int:
     from kvpass import kernels
 
     torch.manual_seed(0)
-    start = time.time()
-    ok = check_quantize(kernels) & check_quantize_refined() & check_attention(kernels) & check_sinks_and_offset(kernels)
-    ok &= check_narrow_heads() & check_query_rounding(kernels) & check_eager_sdpa() & check_cuda_graph_decode()
-    print(f"gpu_check {'passed' if ok else 'FAILED'} in {time.time() - start:.0f} s")
-    return 0 if ok else 1
+    checks = [(check_quantize, kernels), (check_quantize_refined,), (check_attention, kernels),
+              (check_sinks_and_offset, kernels), (check_narrow_heads,), (check_query_rounding, kernels),
+              (check_eager_sdpa,), (check_cuda_graph_decode,)]  # fmt: skip
+    if len(sys.argv) > 1:  # check names given: run only those
+        checks = [c for c in checks if c[0].__name__ in sys.argv[1:]]
+    start, failed = time.time(), []
+    for check, *args in checks:
+        # One call on a lent GPU is all there may be: a check that raises is reported and the rest still run.
+        began = time.time()
+        try:
+            passed = check(*args)
+        except Exception:  # noqa: BLE001 - printed, counted as a failure
+            traceback.print_exc()
+            passed = False
+        print(f"-- {check.__name__}: {'passed' if passed else 'FAILED'} in {time.time() - began:.0f} s", flush=True)
+        if not passed:
+            failed.append(check.__name__)
+    print(f"gpu_check {'FAILED: ' + ', '.join(failed) if failed else 'passed'} in {time.time() - start:.0f} s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

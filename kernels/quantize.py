@@ -24,11 +24,14 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest
 # integer, ties to even: torch.round's rule, with no libdevice call (the interpreter and
 # every backend agree on it).
-_ROUND_MAGIC = 12582912.0
-_CLIP_ERROR_UNIT: tl.constexpr = CLIP_ERROR_UNIT
-_ROUNDING_BITS: tl.constexpr = ROUNDING_BITS
-_ROUNDING_LIMIT: tl.constexpr = ROUNDING_LIMIT
-_ROUNDING_BLOCK: tl.constexpr = ROUNDING_BLOCK
+# Globals a kernel reads must be constexpr objects: compiled Triton rejects plain ones and
+# constexpr annotations (the interpreter accepts both, so only a GPU run catches it).
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+_CLIP_ERROR_UNIT = tl.constexpr(CLIP_ERROR_UNIT)
+_ROUNDING_BITS = tl.constexpr(ROUNDING_BITS)
+_ROUNDING_UNIT = tl.constexpr(1 << ROUNDING_BITS)
+_ROUNDING_LIMIT = tl.constexpr(ROUNDING_LIMIT)
+_ROUNDING_BLOCK = tl.constexpr(ROUNDING_BLOCK)
 
 
 @triton.jit
@@ -100,12 +103,11 @@ def _rounded_codes(groups, scale, R, n_groups, CODE_MIN: tl.constexpr, CODE_MAX:
     GROUP]``, contiguous), in integers of ``2**-ROUNDING_BITS`` codes so that no step depends on how
     arithmetic is ordered or fused. Also returns which groups are regular (finite values, a finite
     non-zero scale): the others take the nearest codes."""
-    UNIT: tl.constexpr = 1 << _ROUNDING_BITS
     RB: tl.constexpr = _ROUNDING_BLOCK
     N_BLOCKS: tl.constexpr = GROUP // RB
     scale = scale.to(tl.float32)
     empty = (scale == 0) | (scale != scale)
-    t = _div_rn(groups, tl.expand_dims(tl.where(empty, 1.0, scale), 2)) * UNIT
+    t = _div_rn(groups, tl.expand_dims(tl.where(empty, 1.0, scale), 2)) * _ROUNDING_UNIT
     bad = tl.max(((t != t) | (tl.abs(t) == float("inf"))).to(tl.int32), axis=2) > 0
     regular = ~(bad | empty)
     t = tl.where(tl.expand_dims(regular, 2), t, 0.0)
@@ -118,10 +120,10 @@ def _rounded_codes(groups, scale, R, n_groups, CODE_MIN: tl.constexpr, CODE_MAX:
     codes = tl.zeros([BLOCK_S, N_GROUPS, N_BLOCKS, RB], dtype=tl.int64)
     for k in range(N_BLOCKS):
         t_k = tl.sum(tl.where(block_of == k, t, 0), axis=2)  # [BLOCK_S, N_GROUPS, RB]
-        code = (t_k.to(tl.float32) * (1.0 / UNIT) + _ROUND_MAGIC) - _ROUND_MAGIC
+        code = (t_k.to(tl.float32) * (1.0 / _ROUNDING_UNIT) + _ROUND_MAGIC) - _ROUND_MAGIC
         code = tl.minimum(tl.maximum(code, CODE_MIN * 1.0), CODE_MAX * 1.0).to(tl.int64)
         codes = tl.where(block_of == k, tl.expand_dims(code, 2), codes)
-        error = t_k - code * UNIT
+        error = t_k - code * _ROUNDING_UNIT
         rows = offs_g[:, None, None] * GROUP * GROUP + (k * RB + offs_r[None, :, None]) * GROUP + offs_j[None, None, :]
         shares = tl.load(R + rows, mask=offs_g[:, None, None] < n_groups, other=0)  # [N_GROUPS, RB, GROUP]
         passed = tl.sum(tl.expand_dims(error, 3) * tl.expand_dims(shares, 0), axis=2) >> _ROUNDING_BITS

@@ -270,7 +270,9 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @attention.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     n = SPEC_ARGS
-    k_spec, v_spec, softcap, extra = _spec(*rest[:n]), _spec(*rest[n : 2 * n]), rest[2 * n], rest[2 * n + 1 :]
+    # A registered kernel gets the arguments as called, the schema's defaults not filled in.
+    k_spec, v_spec = _spec(*rest[:n]), _spec(*rest[n : 2 * n])
+    softcap, *extra = rest[2 * n :] or (0.0,)
     kernels = _kernels_for(k_spec, v_spec)
     run = kernels.attention if kernels is not None else reference.attention
     return run(

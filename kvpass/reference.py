@@ -190,8 +190,17 @@ def _unpacked_float(packed: torch.Tensor, bits: int, symmetric: bool) -> torch.T
 # --- scales ----------------------------------------------------------------------------
 
 
+@_made_once
+def _divisor(n: int, device: torch.device) -> torch.Tensor:
+    # A tensor, not a number: CUDA divides by a host number as a multiply by its reciprocal, and
+    # that quotient (one fp32 ulp off now and then) can round to another fp16 scale than the exact
+    # one, which the CPU and the kernels compute (seen on an H200: 1 scale in 24000, fp32 input).
+    return torch.tensor(float(n), device=device)
+
+
 def _group_scale(amax: torch.Tensor, qmax: int, dtype: torch.dtype) -> torch.Tensor:
-    return _stored_scales(torch.where(torch.isfinite(amax), amax.float() / qmax, float("nan")), dtype)
+    scale = amax.float() / _divisor(qmax, amax.device)
+    return _stored_scales(torch.where(torch.isfinite(amax), scale, float("nan")), dtype)
 
 
 def _codes_from(x: torch.Tensor, scale: torch.Tensor, code_min: int, code_max: int) -> torch.Tensor:
@@ -269,7 +278,7 @@ def _asym_params(lo: torch.Tensor, hi: torch.Tensor, non_finite: torch.Tensor, c
     # -0.0 becomes +0.0, so the stored bits do not depend on which zero a reduction picked.
     lo = torch.where(lo == 0, 0.0, lo.float())
     hi = torch.where(hi == 0, 0.0, hi.float())
-    scale = ((hi - lo) / code_max).to(SCALE_DTYPE)
+    scale = ((hi - lo) / _divisor(code_max, hi.device)).to(SCALE_DTYPE)
     zero = lo.to(SCALE_DTYPE)
     bad = non_finite | ~torch.isfinite(scale) | ~torch.isfinite(zero)
     nan = torch.full_like(scale, float("nan"))

@@ -64,6 +64,15 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         main(["-v", "explain", "llama9"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a CUDA device")
+def test_bench_decode_on_a_missing_gpu_says_so_before_building_anything(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert re.search(r"error: --device cuda, but this torch \(.*\) sees no CUDA device; use --device cpu",
+                     capsys.readouterr().err)  # fmt: skip
+
+
 def test_counts_take_the_forms_a_user_types():
     assert arguments.tokens("128K") == 131072 and arguments.tokens("1m") == 2**20
     assert arguments.token_list(" 512, 2K,") == [512, 2048]

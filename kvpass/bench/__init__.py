@@ -80,20 +80,20 @@ def stepper(model, how: str, kv4_settings: dict | None = None):
 
 
 @torch.no_grad()
-def fill(step, cache, batch: int, tokens: int, chunk: int = 256, seed: int = 0, vocab: int = 512):
+def fill(step, cache, batch: int, tokens: int, chunk: int = 256, seed: int = 0, vocab: int = 512, device="cpu"):
     """Feed ``tokens`` random tokens per row in chunks (small transients); returns the cache."""
     g = torch.Generator().manual_seed(seed)
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
-        ids = torch.randint(2, vocab, (batch, n), generator=g)
+        ids = torch.randint(2, vocab, (batch, n), generator=g).to(device)
         out = step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
     return cache
 
 
 @torch.no_grad()
-def decode_step(step, cache, batch: int, token: int = 7):
-    ids = torch.full((batch, 1), token, dtype=torch.long)
+def decode_step(step, cache, batch: int, token: int = 7, device="cpu"):
+    ids = torch.full((batch, 1), token, dtype=torch.long, device=device)
     return step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
 
 

@@ -160,7 +160,11 @@ def run(args) -> int:
     rows = []
     for batch in args.batch:
         for context in args.context:
-            rows.extend(bench_case(batch, context, args, bandwidth, flush))
+            case_rows = bench_case(batch, context, args, bandwidth, flush)
+            # Each case as it finishes: a run cut short by a time limit still leaves its numbers.
+            for r in case_rows:
+                print(f"{r['method']}, batch {batch}, context {context}: {r['ms']:.3f} ms", file=sys.stderr, flush=True)
+            rows.extend(case_rows)
             torch.cuda.empty_cache()
     table = _markdown(rows, bandwidth, torch.cuda.get_device_name())
     print(table)

@@ -1,4 +1,4 @@
-"""``kvpass bench decode``: per-token decode latency against context length, on CPU.
+"""``kvpass bench decode``: per-token decode latency against context length, on CPU (or ``--device cuda``).
 
 For each method and context: fill a cache to the context, run ``--warmup`` decode steps
 (they include compilation for the compiled methods), then time ``--steps`` single-token
@@ -14,6 +14,9 @@ over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), `
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
 prefill; K's query scales from the keys standing in for the fill's queries); ``--fill real``
 prefills through the compiled model.
+
+``--device cuda`` runs the same grid on the GPU (the model and cache there, each timed step
+ended by a synchronize); quanto's CUDA path needs its compiled extension.
 """
 
 from __future__ import annotations
@@ -55,22 +58,27 @@ def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps
 
     how, settings = _HOW[method], _KV4_SETTINGS.get(method, {})
     step, new_cache = bench.stepper(model, how, settings)
-    vocab = model.config.vocab_size
+    vocab, device = model.config.vocab_size, model.device
+    # A GPU step returns before its kernels finish; a timed step ends when they have.
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
-        cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab)
+        cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
         cache = _pack(cache, kvpass.kv4(**settings).config, model.config.num_attention_heads)
     else:
-        cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab)
+        cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
+    synchronize()
     fill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(warmup):
-        cache = bench.decode_step(step, cache, batch)
+        cache = bench.decode_step(step, cache, batch, device=device)
+    synchronize()
     warmup_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        cache = bench.decode_step(step, cache, batch)
+        cache = bench.decode_step(step, cache, batch, device=device)
+        synchronize()
         times.append(time.perf_counter() - t)
     if how == "kv4":
         from kvpass.packed import PackedKV
@@ -87,13 +95,14 @@ def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps
 
 
 def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None,
-             chunk=256, progress=False, model=None) -> list[dict]:  # fmt: skip
-    """The grid on ``model`` (default: the benchmark model of ``sizes``, :func:`kvpass.bench.build_model`)."""
+             chunk=256, progress=False, model=None, device="cpu") -> list[dict]:  # fmt: skip
+    """The grid on ``model`` (default: the benchmark model of ``sizes``, :func:`kvpass.bench.build_model`),
+    moved to ``device``."""
     from tqdm.auto import tqdm
 
     from kvpass import bench
 
-    model = bench.build_model(dtype, **(sizes or {})) if model is None else model
+    model = (bench.build_model(dtype, **(sizes or {})) if model is None else model).to(device)
     rows = []
     jobs = [(m, c) for m in methods for c in contexts]
     for method, ctx in tqdm(jobs, disable=not progress, file=sys.stderr, desc="decode"):
@@ -103,6 +112,9 @@ def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=
             first = (str(exc).strip().splitlines() or [""])[0]
             row = dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
         rows.append(row)
+        if progress:  # each row as it finishes: a run cut short still leaves its numbers
+            tqdm.write(f"{method}, ctx {ctx}: " + (f"{row['median_ms']:.1f} ms" if "median_ms" in row else row["error"]),
+                       file=sys.stderr)  # fmt: skip
         if _HOW[method] in ("kv4", "compiled"):
             torch._dynamo.reset()
     base = {r["ctx"]: r["median_ms"] for r in rows if r["method"] == "fp" and "median_ms" in r}
@@ -142,6 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="the benchmark model's (no --model)")
     parser.add_argument("--layers", type=arguments.positive_int, default=2, help="the benchmark model's (no --model)")
     parser.add_argument("--threads", type=arguments.positive_int, default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
     parser.add_argument("--no-progress", action="store_true")
@@ -156,6 +169,8 @@ def run(args) -> int:
     for m in methods:
         if m not in _HOW:
             raise ValueError(f"unknown method {m!r}; use some of {list(_HOW)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     contexts = args.contexts + ([16384] if args.long else [])
     dtype = getattr(torch, args.dtype)
     model = None
@@ -165,10 +180,12 @@ def run(args) -> int:
         model = load_model(args.model, dtype)[0]
     t0 = time.perf_counter()
     rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
-                    dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model)  # fmt: skip
+                    dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model,
+                    device=args.device)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
-    info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model,
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model, device=device,
                 threads=torch.get_num_threads(), torch=torch.__version__, rows=rows)  # fmt: skip
     bench.write_results(args, info, format_table(rows, markdown=True))
     return 0
