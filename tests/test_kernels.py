@@ -532,3 +532,27 @@ def test_blocks_no_row_attends_are_not_read(mask_kind):
     out = attention(*poisoned, attn_mask, 0.125, False, *specs)
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_kernels_read_only_the_globals_compiled_triton_accepts():
+    # The interpreter runs a kernel as Python and reads any global; compiled Triton accepts only
+    # tl.constexpr objects, other jit functions and modules, and stops at anything else (a plain
+    # float, a `name: tl.constexpr = value` annotation) with a NameError that only a GPU shows.
+    import importlib
+    import types
+
+    import triton.language as tl
+
+    bad = []
+    for module in (importlib.import_module(f"kvpass.kernels.{name}") for name in ("attention", "quantize")):
+        for name, jitted in vars(module).items():
+            python = jitted
+            while hasattr(python, "fn"):  # an autotuner wraps the jit function, which wraps the Python one
+                python = python.fn
+            if python is jitted or not isinstance(python, types.FunctionType):
+                continue  # not a Triton function
+            for read in python.__code__.co_names:  # attribute names too; only the module's globals count
+                value = vars(module).get(read)
+                if value is not None and not isinstance(value, (tl.constexpr, types.ModuleType)) and not hasattr(value, "fn"):
+                    bad.append(f"{module.__name__}.{name} reads {read} = {value!r}")
+    assert not bad, bad
