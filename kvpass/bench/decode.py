@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="the benchmark model's (no --model)")
     parser.add_argument("--layers", type=arguments.positive_int, default=2, help="the benchmark model's (no --model)")
     parser.add_argument("--threads", type=arguments.positive_int, default=None)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model and cache live (default cpu)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
     parser.add_argument("--no-progress", action="store_true")
