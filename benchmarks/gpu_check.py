@@ -1,9 +1,11 @@
 """The Triton kernels, compiled for the GPU, against the reference on random inputs.
 
 The CPU tests run the same kernels under the Triton interpreter, which cannot see GPU-only
-behaviour (approximate division, bf16 tensor-core dots, NaN-dropping max, layouts); this
-runs natively, including odd shapes. Exits non-zero on the first mismatch class, after
-printing every case.
+behaviour (approximate division, bf16 tensor-core dots, NaN-dropping max, layouts, which globals
+a kernel may read); this runs natively, including odd shapes. Every check runs, each case printed,
+and the exit status is non-zero if any failed or raised. Check names as arguments run only those:
+
+    python benchmarks/gpu_check.py [check_quantize check_attention ...]
 """
 
 from __future__ import annotations

@@ -17,10 +17,6 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 python3 -c "import kvpass" 2>/dev/null ||
     python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
-if ! python3 -c "import kvpass.kernels, kvpass.models_zoo" 2>/dev/null; then
-    # No install possible: lay the packages out as pyproject.toml's package-dir maps them.
-    ln -sfn ../kernels kvpass/kernels && ln -sfn ../models_zoo kvpass/models_zoo && export PYTHONPATH="$PWD"
-fi
 python3 -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
 'triton', triton.__version__, 'transformers', transformers.__version__)"
 failed=()

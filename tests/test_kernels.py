@@ -544,7 +544,7 @@ def test_kernels_read_only_the_globals_compiled_triton_accepts():
     import triton.language as tl
 
     bad = []
-    for module in (importlib.import_module(f"kvpass.kernels.{name}") for name in ("attention", "quantize")):
+    for module in (importlib.import_module(f"kvpass.kernels.{file}") for file in ("attention", "quantize")):
         for name, jitted in vars(module).items():
             python = jitted
             while hasattr(python, "fn"):  # an autotuner wraps the jit function, which wraps the Python one
