@@ -233,10 +233,13 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
 
 
 def _structure(t: torch.Tensor | None):
-    # What a graph specialises on besides the token count, which is a symbol once it is 2 or more.
+    # What a graph specialises on besides the token count, which is a symbol once it is 2 or more. A
+    # contiguous tensor's strides follow from its sizes, symbolic with them (a traced graph's cache is
+    # a fresh contiguous tensor every step); a view into a grown buffer has the buffer's.
     if t is None:
         return None
-    return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], t.stride()[:2], t.stride()[3:]
+    strides = "contiguous" if t.is_contiguous() else (t.stride()[:2], t.stride()[3:])
+    return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], strides
 
 
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -326,6 +326,27 @@ def test_a_cache_regrowing_and_its_planes_sliding_compile_nothing_more(compiled_
     torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
 
 
+def test_a_traced_graphs_fresh_caches_compile_nothing_more(compiled_steps):
+    # A model compiled whole (kv4(inner="inductor")) states values, not storage reuse: every decode
+    # step's cache is a new tensor, which Inductor lays out contiguous, so its strides grow with it. A
+    # key of those strides was a graph per step (2 s a SmolLM2 step at 512 tokens, against 0.1 s).
+    def as_traced(t):
+        return packed._map_inner(t, torch.Tensor.contiguous)
+
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 300, torch.float32, seed=6)
+    k, v = as_traced(k), as_traced(v)
+    assert k.codes.is_contiguous() and k.codes.stride(1) == k.codes.shape[2] * k.codes.shape[3]
+    _second(lambda: packed.attention(q, k, v, k_new, v_new))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        k, v = as_traced(k.append(k_new, query=q)), as_traced(v.append(v_new))
+        got = packed.attention(q, k, v, k_new, v_new)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_steps.count(cpu_steps._decode_attention) == 1 + 3
+    with cpu_steps.reference_attention():
+        torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+
+
 def test_kvpass_evals_numbers_do_not_depend_on_the_compiled_path(compiled_steps, monkeypatch):
     # Its measurements run the reference attention, so documented numbers reproduce to the last bit;
     # the quantization is compiled all the same.
