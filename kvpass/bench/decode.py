@@ -8,7 +8,8 @@ the ``fp`` (eager ``DynamicCache``) median measured in the same run at the same 
 Methods: ``fp`` (eager DynamicCache), ``fp-compiled`` (``torch.compile(backend="eager")``
 over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), ``kv4``
 (``torch.compile(model, backend=kvpass.kv4())``, default settings), ``kv4-qr`` (the same with
-``k_query_rounded=True``), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
+``k_query_rounded=True``), ``kv4-inductor`` (the same with ``inner="inductor"``: the rest of the
+model compiled by Inductor too), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
 
 ``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
@@ -32,9 +33,10 @@ from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
-_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "quanto": "quanto"}
+_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "kv4-inductor": "kv4",
+        "quanto": "quanto"}  # fmt: skip
 # kvpass.kv4 settings of the kv4 methods other than the default.
-_KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True)}
+_KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-inductor": dict(inner="inductor")}
 
 
 def _pack(cache, backend_config, query_heads: int):
