@@ -36,7 +36,8 @@ def timed_trim(trim, pad: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=1000)
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3: the decode graphs compile)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed decode steps first (default 3: the decode graphs compile)")
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     trim = packed._malloc_trim()
@@ -63,7 +64,8 @@ def main() -> None:
           f"{sum(ms for ms, _, _ in steps) / 1e3:.1f} s in all")  # fmt: skip
     for i, (ms, ran, compiled) in enumerate(steps):
         if ms > 1.5 * median:
-            print(f"  step {i}: {ms:.1f} ms, {len(ran)} trims taking {1e3 * sum(ran):.0f} ms, {compiled} graphs compiled")
+            print(f"  step {i}: {ms:.1f} ms, {len(ran)} trims taking {1e3 * sum(ran):.0f} ms, "
+                  f"{compiled} graphs compiled")
 
 
 if __name__ == "__main__":
