@@ -52,12 +52,12 @@ def main() -> None:
     for _ in range(args.warmup):
         token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     steps = []
-    graphs = torch._dynamo.utils.counters["stats"]
+    stats = torch._dynamo.utils.counters["stats"]  # unique_graphs: every graph Dynamo compiled
     for _ in range(args.steps):
-        before, graphs_before = len(trims), graphs["unique_graphs"]
+        before, graphs_before = len(trims), stats["unique_graphs"]
         start = time.perf_counter()
         token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        steps.append((1e3 * (time.perf_counter() - start), trims[before:], graphs["unique_graphs"] - graphs_before))
+        steps.append((1e3 * (time.perf_counter() - start), trims[before:], stats["unique_graphs"] - graphs_before))
     median = statistics.median(ms for ms, _, _ in steps)
     print(f"{args.steps} decode steps after {prompt.shape[1] + 1 + args.warmup} tokens, {torch.get_num_threads()} "
           f"threads: median {median:.1f} ms, slowest {max(ms for ms, _, _ in steps):.1f} ms, "
