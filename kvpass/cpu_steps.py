@@ -243,9 +243,9 @@ def _structure(t: torch.Tensor | None):
 
 
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
-    # The second planes and the fp tail (a few dozen tokens at most) are views whose storage offset
-    # moves as tokens pass through them; Dynamo specialises an offset of 0 or 1, so each would compile
-    # again when it came round. A copy of a few KiB starts at 0.
+    # The fp tail (a few dozen tokens at most) and the second planes a graph compiled whole made are
+    # views whose storage offset moves as tokens pass through them; Dynamo specialises an offset of 0
+    # or 1, so each would compile again when it came round. A copy of a few KiB starts at 0.
     return t if t is None or t.storage_offset() == 0 else t.clone()
 
 

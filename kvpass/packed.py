@@ -213,12 +213,12 @@ class PackedKV(torch.Tensor):
         fills = first and fills_pads and pads is not None
         filled = reference.filled_pads(pads, new.shape[2]) if fills else self.filled_pads
         if self._waiting:
-            return self._held_append(new, query, pads, filled)
+            return _marked_growing(self._held_append(new, query, pads, filled))
         # Only a first append takes query scales: decode steps skip the energy.
         energy = None
         if query is not None and self._is_empty:
             energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
-        return self._quantized_append(new, energy, query, pads, filled)
+        return _marked_growing(self._quantized_append(new, energy, query, pads, filled))
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None, query: torch.Tensor | None = None,
                           pads: torch.Tensor | None = None, filled: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
@@ -308,11 +308,7 @@ class PackedKV(torch.Tensor):
         # same steps as V's, and decode graphs mark both dynamic at once.
         held = _head_len(head) + self.codes.shape[2] + new.shape[2]
         n_fine = reference.refined_tokens(self.spec, held, new.shape[-1], _head_len(head), offset)
-        # Sequence-major (as codes are): strides do not depend on the plane's length and slicing
-        # off its oldest rows keeps it dense, so decode graphs need no guard on either.
-        planes = [torch.cat([old.movedim(2, 0), new.movedim(2, 0)]) for old, new in zip(self._fine_planes(), new_planes)]
-        drop = torch.sym_max(planes[0].shape[0] - n_fine, 0)
-        fine = tuple(plane[drop:].movedim(0, 2) for plane in planes)
+        fine = tuple(_newest_rows(old, new, n_fine) for old, new in zip(self._fine_planes(), new_planes))
         return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, filled)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
@@ -595,6 +591,39 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
     query_energy = x.new_empty((B, H, 0, D), dtype=torch.float64) if spec.gathers_queries else None
     return PackedKV(codes, scales, x.new_empty((B, H, 0, D)), spec, fine=fine, head=head, offset=offset,
                     query_scales=query_scales, query_energy=query_energy)  # fmt: skip
+
+
+def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
+    """The newest ``keep`` rows (dimension 2) of ``old`` followed by ``new``, sequence-major (as codes
+    are): strides do not depend on the length, and slicing off the oldest rows keeps it dense, so
+    decode graphs need no guard on either."""
+    old, new = old.movedim(2, 0), new.movedim(2, 0)
+    if type(old) is torch.Tensor and type(new) is torch.Tensor:
+        # Sliced before the copy, so the rows start a storage: a graph taking them would specialise
+        # a storage offset of 0 (after a step that slides no row) and compile again.
+        drop = max(old.shape[0] + new.shape[0] - keep, 0)
+        return torch.cat([old[drop:], new[max(drop - old.shape[0], 0) :]]).movedim(0, 2)
+    # Traced: one slice of symbolic bounds rather than two (each costs the trace symbolic reasoning).
+    rows = torch.cat([old, new])
+    return rows[torch.sym_max(rows.shape[0] - keep, 0) :].movedim(0, 2)
+
+
+def _marked_growing(t: PackedKV) -> PackedKV:
+    """``t``, with the lengths later appends change marked dynamic for Dynamo where ``t`` holds real
+    tensors: the next graph to take the cache (a model's first decode step) then compiles them as
+    symbols, where Dynamo would first specialise on them and compile again once one changed. Lengths
+    of 0 and 1 stay specialised (Dynamo's rule); parts that hold a fixed count (sinks, offset), and
+    planes at the length every longer cache's has, stay constants (a symbolic plane costs the
+    trace: SmolLM2's first decode graph at 512 tokens took 52 s with its planes symbolic)."""
+    if type(t.codes) is not torch.Tensor:
+        return t
+    planes = t._fine_planes()
+    if planes and planes[0].shape[2] == reference.refined_tokens(t.spec, 2**62, t.shape[-1], t.n_head, t.offset):
+        planes = ()
+    for part in (t, t.codes, t.scales, t.residual, *planes):
+        if part.shape[2] > 1:
+            torch._dynamo.maybe_mark_dynamic(part, 2)
+    return t
 
 
 def _map_inner(t: PackedKV, fn) -> PackedKV:

@@ -300,26 +300,40 @@ def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference
     assert all(fn is not cpu_steps._decode_attention for fn, _ in cpu_steps._compiled)
 
 
+def _planes_rows_in(t: PackedKV, rows: int) -> PackedKV:
+    """``t`` with its second planes ``rows`` rows into a storage of their own, sequence-major: where a
+    graph compiled whole hands them (an append outside one starts them at its storage's first row)."""
+
+    def moved(x):
+        if x is not t.fine_codes and x is not t.fine_scales:
+            return x
+        by_row = x.movedim(2, 0)
+        return torch.cat([by_row[:rows], by_row])[rows:].movedim(0, 2)
+
+    return packed._map_inner(t, moved)
+
+
 def test_a_cache_regrowing_and_its_planes_sliding_compile_nothing_more(compiled_steps, monkeypatch):
-    # Codes live in a storage with spare rows that regrows, and the second plane's view slides through
-    # its storage, whose offset of 0 or 1 Dynamo specialised (a graph each time it came round).
+    # Codes live in a storage with spare rows that regrows, and a second plane's view can slide
+    # through its storage, whose offset of 0 or 1 Dynamo specialised (a graph each time it came round).
     gen = torch.Generator().manual_seed(5)
     # 300 tokens: K's second plane has its 2 rows or more already (a shorter cache's grows from none,
     # each of 0, 1 and more being a structure of its own).
     k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 300, torch.float32, seed=5)
     assert k.fine_codes.shape[2] >= 2
-    for _ in range(3):
-        k, v = k.append(k_new, query=q), v.append(v_new)
+    for _ in range(3):  # the graph compiles with the planes a row into their storage, as a symbol
+        k, v = _planes_rows_in(k.append(k_new, query=q), 1), v.append(v_new)
         packed.attention(q, k, v, k_new, v_new)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     storage_bytes, plane_offsets = set(), set()
-    for _ in range(300):
+    for step in range(300):
         k_new, v_new = torch.randn(1, 2, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
         k, v = k.append(k_new, query=q), v.append(v_new)
+        k = _planes_rows_in(k, step % 3)
         got = packed.attention(q, k, v, k_new, v_new)
         storage_bytes.add(k.codes.untyped_storage().nbytes())
         plane_offsets.add(k.fine_codes.storage_offset())
-    assert len(storage_bytes) > 1 and 0 in plane_offsets and len(plane_offsets) > 1
+    assert len(storage_bytes) > 1 and 0 in plane_offsets and len(plane_offsets) == 3
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert compiled_steps.count(cpu_steps._decode_attention) == 3 - 1 + 300
     monkeypatch.setattr(cpu_steps, "enabled", False)

@@ -44,8 +44,8 @@ class GraphDiffTest(expecttest.TestCase):
         self.assertExpectedInline(
             decode.diff,
             """\
---- graph_2 (fp16)
-+++ graph_2 (kv4)
+--- graph_1 (fp16)
++++ graph_1 (kv4)
 @@ -49,2 +49,2 @@
 -    keys = torch.cat([cache_layers_0_keys, k_embed], dim = -2)
 -    values = torch.cat([cache_layers_0_values, value_states], dim = -2)
@@ -70,8 +70,6 @@ class GraphDiffTest(expecttest.TestCase):
             """\
 site  module                    form  phase    kv cache  reason
 0     model.layers.0.self_attn  sdpa  prefill  int4
-site  module                    form  phase   kv cache  reason
-0     model.layers.0.self_attn  sdpa  decode  int4
 site  module                    form  phase   kv cache  reason
 0     model.layers.0.self_attn  sdpa  decode  int4
 """,
