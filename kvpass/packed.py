@@ -613,16 +613,20 @@ def _marked_growing(t: PackedKV) -> PackedKV:
     tensors: the next graph to take the cache (a model's first decode step) then compiles them as
     symbols, where Dynamo would first specialise on them and compile again once one changed. Lengths
     of 0 and 1 stay specialised (Dynamo's rule); parts that hold a fixed count (sinks, offset), and
-    planes at the length every longer cache's has, stay constants (a symbolic plane costs the
-    trace: SmolLM2's first decode graph at 512 tokens took 52 s with its planes symbolic)."""
+    planes at the length every longer cache's has, stay constants: each symbol costs the trace."""
     if type(t.codes) is not torch.Tensor:
         return t
     planes = t._fine_planes()
     if planes and planes[0].shape[2] == reference.refined_tokens(t.spec, 2**62, t.shape[-1], t.n_head, t.offset):
         planes = ()
-    for part in (t, t.codes, t.scales, t.residual, *planes):
+    for part in (t.codes, t.scales, t.residual, *planes):
         if part.shape[2] > 1:
             torch._dynamo.maybe_mark_dynamic(part, 2)
+    # The cache's own length, marked as maybe_mark_dynamic marks a plain tensor: on a subclass it
+    # also marks every inner tensor of its rank, sinks and final-length planes too, whose symbols
+    # made a first decode graph's trace a quarter slower (8-layer tiny Llama, 600 tokens).
+    t._dynamo_weak_dynamic_indices = {2}
+    t._has_dynamo_dim_marking = True
     return t
 
 
