@@ -624,7 +624,7 @@ def _marked_growing(t: PackedKV) -> PackedKV:
             torch._dynamo.maybe_mark_dynamic(part, 2)
     # The cache's own length, marked as maybe_mark_dynamic marks a plain tensor: on a subclass it
     # also marks every inner tensor of its rank, sinks and final-length planes too, whose symbols
-    # made a first decode graph's trace a quarter slower (8-layer tiny Llama, 600 tokens).
+    # made a first decode graph's trace a quarter slower (benchmarks/decode_compiles.py).
     t._dynamo_weak_dynamic_indices = {2}
     t._has_dynamo_dim_marking = True
     return t
