@@ -314,6 +314,36 @@ def test_second_plane_adds_at_most_two_graphs_to_a_generate(prompt, graphs):
     assert counts == [2, graphs]
 
 
+@pytest.mark.parametrize("prompt", [200, 520])
+@torch.no_grad()
+def test_the_decode_graph_takes_only_the_lengths_appends_change_as_symbols(prompt):
+    """Each symbol costs the trace (``benchmarks/decode_compiles.py``): the decode graph takes the codes'
+    and scales' lengths as symbols, and K's sinks, offset and query scales as constants, as it does
+    a second plane once it holds as many rows as every longer cache's (from 512 tokens)."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama(layers=1)
+    backend, caches = kvpass.kv4(), []
+
+    def keeping_caches(gm, example_inputs, **options):
+        traced = (node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder"))
+        caches.append([x for x in traced if isinstance(x, PackedKV)])
+        return backend(gm, example_inputs, **options)
+
+    model.compile(backend=keeping_caches)
+    model.generate(_ids(prompt), max_new_tokens=3, do_sample=False)
+    assert [len(graph_caches) for graph_caches in caches] == [0, 2]  # the prompt's graph, one decode graph
+    keys, values = sorted(caches[1], key=lambda cache: not cache.spec.sinks)
+
+    def symbolic(t):
+        return isinstance(t.shape[2], torch.SymInt)
+
+    assert all(symbolic(t) for t in (keys.codes, keys.scales, values.codes, values.scales))
+    assert not any(symbolic(t) for t in (keys.head, keys.offset, keys.query_scales))
+    assert [symbolic(t) for t in (keys.fine_codes, keys.fine_scales, values.fine_codes, values.fine_scales)] == [
+        prompt < 512
+    ] * 4
+
+
 @pytest.mark.parametrize("prompt, graphs", [(5, 6), (8, 5), (200, 2)])
 @torch.no_grad()
 def test_a_deferred_k_prefix_adds_a_graph_while_waiting_and_one_where_it_ends(prompt, graphs):
