@@ -329,12 +329,14 @@ class PackedKV(torch.Tensor):
             # Traced (fake or functional tensors): a graph states values, not storage reuse.
             return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
         rows = self._rows
-        if rows is not None and rows.ends_at(self.codes, self.scales):
-            new_codes, new_scales = _grow(self.codes, codes), _grow(self.scales, scales)
-            rows.codes_end, rows.scales_end = _row_span(new_codes)[1], _row_span(new_scales)[1]
+        spans = (_row_span(self.codes), _row_span(self.scales)) if rows is not None else (None, None)
+        if rows is not None and rows.ends_at(*spans):
+            (_, codes_end), (_, scales_end) = spans
+            new_codes, new_scales = _grow(self.codes, codes, codes_end), _grow(self.scales, scales, scales_end)
+            rows.codes_end, rows.scales_end = codes_end + codes.shape[2], scales_end + scales.shape[2]
         else:
             new_codes, new_scales = _copy_with_headroom(self.codes, codes), _copy_with_headroom(self.scales, scales)
-            rows = _WrittenRows(_row_span(new_codes)[1], _row_span(new_scales)[1])
+            rows = _WrittenRows(new_codes.shape[2], new_scales.shape[2])  # a fresh storage's rows start at 0
         return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows, **parts)
 
     def dequantize(self) -> torch.Tensor:
@@ -496,12 +498,20 @@ def _capacity(rows: int) -> int:
 
 def _row_span(t: torch.Tensor) -> tuple[int, int] | None:
     """``(first, end)`` rows of storage a sequence-major ``[B, H, S, ...]`` view covers; None if not one."""
-    by_row = t.movedim(2, 0)
-    row = by_row[0].numel() if by_row.shape[0] else math.prod(by_row.shape[1:])
-    if row == 0 or not by_row.is_contiguous() or t.storage_offset() % row:
+    # Sizes and strides with the sequence first, read as tuples: a decode append asks twice, and a
+    # movedim view to ask it cost more than the rest of the question.
+    shape, strides = t.shape, t.stride()
+    sizes, steps = (shape[2], *shape[:2], *shape[3:]), (strides[2], *strides[:2], *strides[3:])
+    row = math.prod(sizes[1:])
+    if row == 0 or t.storage_offset() % row:
         return None
+    dense = 1
+    for size, step in zip(reversed(sizes), reversed(steps)):
+        if shape[2] and size != 1 and step != dense:  # as is_contiguous(): an empty view is dense
+            return None
+        dense *= size
     first = t.storage_offset() // row
-    return first, first + t.shape[2]
+    return first, first + shape[2]
 
 
 @dataclasses.dataclass
@@ -514,19 +524,19 @@ class _WrittenRows:
     codes_end: int
     scales_end: int
 
-    def ends_at(self, codes: torch.Tensor, scales: torch.Tensor) -> bool:
-        spans = _row_span(codes), _row_span(scales)
-        if None in spans:
+    def ends_at(self, codes_span: tuple[int, int] | None, scales_span: tuple[int, int] | None) -> bool:
+        """Whether views of codes and scales covering these :func:`_row_span` rows end at the last writes."""
+        if codes_span is None or scales_span is None:
             return False
-        (c_first, c_end), (s_first, s_end) = spans
+        (c_first, c_end), (s_first, s_end) = codes_span, scales_span
         # A view over mostly dead rows (a sliding window's evicted front) compacts instead.
         live = c_end - c_first >= c_first and s_end - s_first >= s_first
         return live and (c_end, s_end) == (self.codes_end, self.scales_end)
 
 
-def _grow(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``cat([past, new], dim=2)`` written into ``past``'s storage after its last row."""
-    first, end = _row_span(past)
+def _grow(past: torch.Tensor, new: torch.Tensor, end: int) -> torch.Tensor:
+    """``cat([past, new], dim=2)`` written into ``past``'s storage after its last row, ``end``
+    (:func:`_row_span`)."""
     row_bytes = past.stride(2) * past.element_size()
     storage = past.untyped_storage()
     if storage.nbytes() < (end + new.shape[2]) * row_bytes:
