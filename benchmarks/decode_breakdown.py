@@ -5,7 +5,9 @@ around the kv4 ops the graph calls (``graph_ops.kv4_append`` and, inside it, the
 both compiled unless ``--eager-steps``) and the eager model for reference. Then the same calls on
 the first layer's cache alone: back to back, and each after reading as many bytes as the model's
 weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
-calls' many small ops would otherwise find warm.
+calls' many small ops would otherwise find warm. Last, a warm V append taken apart by the layers of
+its call (the append, the ``kv4::`` op it calls, the op's CPU body, the compiled quantization alone):
+what each layer adds to a call whose work is one token.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
 """
@@ -20,10 +22,12 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvpass import cpu_steps, graph_ops, packed, text_data
+from kvpass import cpu_steps, graph_ops, ops, packed, reference, text_data
 from kvpass.models_zoo.real_model import load_model
 
 spent, calls = collections.Counter(), collections.Counter()
+# Before main() wraps it in a timer: the layered timing below calls the op's body as the op does.
+encode_refined = cpu_steps.encode_refined
 
 
 def timed(module, name: str) -> None:
@@ -90,6 +94,32 @@ def print_calls_alone(model, cache: DynamicCache) -> None:
         print(f"  {name:<10} {warm:5.2f} ms warm, {cold:5.2f} ms after the weights")
 
 
+@torch.no_grad()
+def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
+    """The first layer's V append, warm, and each layer of its call alone: the difference between two
+    lines is what the outer layer adds."""
+    values = cache.layers[0].values
+    spec, (B, H, S, D) = values.spec, values.shape
+    new = torch.randn(B, H, 1, D)
+    stored = [values]
+
+    def append():  # chained, as decode steps append
+        stored[0] = stored[0].append(new)
+
+    layers = {
+        "PackedKV.append": append,
+        "kv4::quantize_refined (the op)": lambda: ops.quantize_refined(new, *ops.codec_args(spec), spec.refine),
+        "cpu_steps.encode_refined (its body)": lambda: encode_refined(new, spec),
+    }
+    compiled = cpu_steps._compiled.get((reference.encode_refined, spec))
+    if compiled is not None:  # None with --eager-steps
+        args = (cpu_steps._step(new), spec, reference.quantize, None, None)
+        layers["the compiled quantization alone"] = lambda: compiled(*args)
+    print(f"the first layer's V append at {S} tokens, warm, by the layers of its call (median of {repeats}):")
+    for name, call in layers.items():
+        print(f"  {name:<36} {1e3 * alone_ms(call, repeats=repeats):6.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2000)
@@ -112,6 +142,7 @@ def main() -> None:
         print(f"  {name:<15} {per_step:6.1f} ms a step, {calls[name] // args.steps} calls, "
               f"{per_step * args.steps / calls[name]:.2f} ms each")  # fmt: skip
     print_calls_alone(model, cache)
+    print_append_layers(cache)
 
 
 if __name__ == "__main__":
