@@ -6,8 +6,8 @@ both compiled unless ``--eager-steps``) and the eager model for reference. Then 
 the first layer's cache alone: back to back, and each after reading as many bytes as the model's
 weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
 calls' many small ops would otherwise find warm. Last, a warm V append taken apart by the layers of
-its call (the append, the ``kv4::`` op it calls, the op's CPU body, the compiled quantization alone):
-what each layer adds to a call whose work is one token.
+its call (the append, the ``kv4::`` op it calls, the op's CPU body, the compiled quantization alone,
+and the append with the op's outputs given): what each layer adds to a call whose work is one token.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
 """
@@ -18,6 +18,7 @@ import argparse
 import collections
 import statistics
 import time
+import unittest.mock
 
 import torch
 from transformers import DynamicCache
@@ -118,6 +119,11 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
     print(f"the first layer's V append at {S} tokens, warm, by the layers of its call (median of {repeats}):")
     for name, call in layers.items():
         print(f"  {name:<36} {1e3 * alone_ms(call, repeats=repeats):6.1f} us")
+    # The append's own Python without the op in between: set against the first two lines, what
+    # the two cost together beyond the sum of their parts.
+    outputs = ops.quantize_refined(new, *ops.codec_args(spec), spec.refine)
+    with unittest.mock.patch.object(ops, "quantize_refined", lambda *args: outputs):
+        print(f"  {'PackedKV.append, the op outputs given':<36} {1e3 * alone_ms(append, repeats=repeats):6.1f} us")
 
 
 def main() -> None:
