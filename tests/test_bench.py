@@ -88,6 +88,42 @@ def test_decode_grid_runs_the_model_it_is_given():
     assert parser.parse_args(["--model", "smollm2"]).model == "smollm2" and parser.parse_args([]).model is None
 
 
+def test_decode_rounds_fill_every_method_first_then_alternate_their_timed_steps(monkeypatch):
+    """``rounds``: each method is filled and warmed up, then its ``steps`` are timed in turns (3 + 2
+    here), the methods' order rotated every round, each step extending that method's own cache."""
+    from kvpass import bench
+
+    stepped = []
+    decode_step = bench.decode_step
+
+    def recorded(step, cache, batch, **kwargs):
+        stepped.append(type(cache).__name__)
+        return decode_step(step, cache, batch, **kwargs)
+
+    monkeypatch.setattr(bench, "decode_step", recorded)
+    model = bench.build_model(torch.float32, **TINY)
+    rows = decode.run_grid(["fp", "quanto"], [64], warmup=1, steps=5, chunk=32, model=model, rounds=2)
+    fp, quanto = "DynamicCache", "QuantizedCache"
+    assert stepped == [fp, quanto] + [fp] * 3 + [quanto] * 3 + [quanto] * 2 + [fp] * 2
+    assert [(r["method"], r["steps"], r["graphs_compiled"]) for r in rows] == [("fp", 5, 0), ("quanto", 5, 0)]
+    assert rows[0]["stored_bytes"] == (64 + 1 + 5) * 2 * 8 * 128 * 4  # fp32 K and V of 8 heads of 128
+    with pytest.raises(ValueError, match="rounds must be between 1 and steps"):
+        decode.run_grid(["fp"], [64], steps=2, rounds=3, model=model)
+    with pytest.raises(ValueError, match="methods must not repeat"):
+        decode.run_grid(["fp", "fp"], [64], model=model)
+
+
+def test_decode_rows_count_the_graphs_compiled_while_timed():
+    """A compiled method's first step compiles: timed without a warm-up, its row says so."""
+    from kvpass import bench
+
+    model = bench.build_model(torch.float32, **TINY)
+    cold, warm = (decode.run_grid(["fp-compiled"], [64], warmup=w, steps=2, chunk=32, model=model)[0] for w in (0, 2))
+    torch._dynamo.reset()
+    assert cold["graphs_compiled"] >= 1 and warm["graphs_compiled"] == 0, (cold, warm)
+    assert "graphs compiled while timed" in decode.format_table([cold, warm])
+
+
 def test_attention_bench_reads_the_default_layout():
     """``kvpass bench attention`` (GPU) times the cache decode really reads: K with its fp sinks,
     offset, query scales and second code plane, built on CPU here; the fused and the dequantizing

@@ -1,9 +1,10 @@
 """``kvpass bench decode``: per-token decode latency against context length, on CPU (or ``--device cuda``).
 
-For each method and context: fill a cache to the context, run ``--warmup`` decode steps
-(they include compilation for the compiled methods), then time ``--steps`` single-token
-decode steps one by one and report their median (and the 10-90% range). Ratios are to
-the ``fp`` (eager ``DynamicCache``) median measured in the same run at the same context.
+For each context: fill each method's cache to it and run ``--warmup`` decode steps (they
+include compilation for the compiled methods), then time ``--steps`` single-token decode
+steps of each method one by one, in ``--rounds`` turns with the methods alternating, and
+report their median (and the 10-90% range). Ratios are to the ``fp`` (eager
+``DynamicCache``) median measured in the same run at the same context.
 
 Methods: ``fp`` (eager DynamicCache), ``fp-compiled`` (``torch.compile(backend="eager")``
 over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), ``kv4``
@@ -52,73 +53,136 @@ def _pack(cache, backend_config, query_heads: int):
 
 
 @torch.no_grad()
-def measure(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, steps: int = 10, fill: str = "fast",
-            chunk: int = 256) -> dict:  # fmt: skip
+def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill: str = "fast", chunk: int = 256,
+            stepper: tuple | None = None) -> dict:  # fmt: skip
+    """``method``'s cache filled to ``ctx`` tokens and ``warmup`` decode steps taken (compiles included), as
+    ``dict(method, step, cache, device, fill_s, warmup_s)`` for :func:`time_steps`; ``stepper``: the
+    method's :func:`kvpass.bench.stepper` if made already."""
     import kvpass
     from kvpass import bench
     from transformers import DynamicCache
 
     how, settings = _HOW[method], _KV4_SETTINGS.get(method, {})
-    step, new_cache = bench.stepper(model, how, settings)
+    step, new_cache = stepper or bench.stepper(model, how, settings)
     vocab, device = model.config.vocab_size, model.device
-    # A GPU step returns before its kernels finish; a timed step ends when they have.
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
         cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
         cache = _pack(cache, kvpass.kv4(**settings).config, model.config.num_attention_heads)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
-    synchronize()
+    _synchronize(device)
     fill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(warmup):
         cache = bench.decode_step(step, cache, batch, device=device)
-    synchronize()
-    warmup_s = time.perf_counter() - t0
-    times = []
+    _synchronize(device)
+    return dict(method=method, step=step, cache=cache, device=device, fill_s=fill_s,
+                warmup_s=time.perf_counter() - t0)  # fmt: skip
+
+
+@torch.no_grad()
+def time_steps(run: dict, steps: int, batch: int = 1) -> list[float]:
+    """Seconds of each of ``steps`` single-token decode steps of a :func:`prepare` d ``run``, which
+    they extend; ``run["graphs_compiled"]`` counts the graphs Dynamo compiled while they ran (a
+    step that compiles is timed with its compile)."""
+    from torch._dynamo.utils import counters
+
+    from kvpass import bench
+
+    device, times = run["device"], []
+    graphs = counters["stats"]["unique_graphs"]
     for _ in range(steps):
         t = time.perf_counter()
-        cache = bench.decode_step(step, cache, batch, device=device)
-        synchronize()
+        run["cache"] = bench.decode_step(run["step"], run["cache"], batch, device=device)
+        _synchronize(device)
         times.append(time.perf_counter() - t)
-    if how == "kv4":
+    run["graphs_compiled"] = run.get("graphs_compiled", 0) + counters["stats"]["unique_graphs"] - graphs
+    return times
+
+
+def _synchronize(device: torch.device) -> None:
+    # A GPU step returns before its kernels finish; a timed step ends when they have.
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def summarize(run: dict, times: list[float], ctx: int, batch: int, warmup: int) -> dict:
+    """A grid row: the median of ``times`` and their 10-90% range, in ms."""
+    from kvpass import bench
+
+    if _HOW[run["method"]] == "kv4":
         from kvpass.packed import PackedKV
 
-        if not isinstance(cache.layers[0].keys, PackedKV):
+        if not isinstance(run["cache"].layers[0].keys, PackedKV):
             raise RuntimeError("kv4 did not take effect: the cache holds plain tensors")
-    times.sort()
+    times = sorted(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return dict(
-        method=method, ctx=ctx, batch=batch, median_ms=1e3 * statistics.median(times), p10_ms=1e3 * q(0.1),
-        p90_ms=1e3 * q(0.9), steps=steps, warmup=warmup, fill_s=fill_s, warmup_s=warmup_s,
-        stored_bytes=bench.stored_bytes(cache),
+        method=run["method"], ctx=ctx, batch=batch, median_ms=1e3 * statistics.median(times), p10_ms=1e3 * q(0.1),
+        p90_ms=1e3 * q(0.9), steps=len(times), warmup=warmup, fill_s=run["fill_s"], warmup_s=run["warmup_s"],
+        graphs_compiled=run.get("graphs_compiled", 0), stored_bytes=bench.stored_bytes(run["cache"]),
     )  # fmt: skip
 
 
+def _error_row(method: str, ctx: int, batch: int, exc: Exception) -> dict:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
+
+
 def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None,
-             chunk=256, progress=False, model=None, device="cpu") -> list[dict]:  # fmt: skip
+             chunk=256, progress=False, model=None, device="cpu", rounds=1) -> list[dict]:  # fmt: skip
     """The grid on ``model`` (default: the benchmark model of ``sizes``, :func:`kvpass.bench.build_model`),
-    moved to ``device``."""
+    moved to ``device``. At each context every method is filled and warmed up, then each times its
+    ``steps`` in ``rounds`` turns, the methods taking turns (in an order rotated every round): a
+    machine's load that drifts over minutes then weighs on every method alike, not on whichever ran
+    while it was high."""
     from tqdm.auto import tqdm
 
     from kvpass import bench
 
+    if not 1 <= rounds <= steps:
+        raise ValueError(f"rounds must be between 1 and steps ({steps}), got {rounds}")
+    if len(set(methods)) < len(methods):
+        raise ValueError(f"methods must not repeat, got {list(methods)}")
     model = (bench.build_model(dtype, **(sizes or {})) if model is None else model).to(device)
     rows = []
-    jobs = [(m, c) for m in methods for c in contexts]
-    for method, ctx in tqdm(jobs, disable=not progress, file=sys.stderr, desc="decode"):
-        try:
-            row = measure(model, method, ctx, batch, warmup, steps, fill, chunk)
-        except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
-            first = (str(exc).strip().splitlines() or [""])[0]
-            row = dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
-        rows.append(row)
-        if progress:  # each row as it finishes: a run cut short still leaves its numbers
-            tqdm.write(f"{method}, ctx {ctx}: " + (f"{row['median_ms']:.1f} ms" if "median_ms" in row else row["error"]),
-                       file=sys.stderr)  # fmt: skip
-        if _HOW[method] in ("kv4", "compiled"):
-            torch._dynamo.reset()
+    bar = tqdm(total=len(contexts) * len(methods) * (1 + rounds), disable=not progress, file=sys.stderr,
+               desc="decode")  # fmt: skip
+    for ctx in contexts:
+        # Every stepper before any fill: making a compiled one resets Dynamo, which would drop
+        # another's graphs.
+        steppers = {m: bench.stepper(model, _HOW[m], _KV4_SETTINGS.get(m, {})) for m in methods}
+        runs, times, failed = {}, {m: [] for m in methods}, {}
+        for method in methods:
+            try:
+                runs[method] = prepare(model, method, ctx, batch, warmup, fill, chunk, steppers[method])
+            except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
+                failed[method] = _error_row(method, ctx, batch, exc)
+            bar.update()
+        for r in range(rounds):
+            turn = steps // rounds + (r < steps % rounds)
+            for i in range(len(methods)):
+                method = methods[(i + r) % len(methods)]
+                if method in runs and method not in failed:
+                    try:
+                        times[method] += time_steps(runs[method], turn, batch)
+                    except Exception as exc:  # noqa: BLE001
+                        failed[method] = _error_row(method, ctx, batch, exc)
+                bar.update()
+        for method in methods:
+            try:
+                row = failed.get(method) or summarize(runs[method], times[method], ctx, batch, warmup)
+            except Exception as exc:  # noqa: BLE001
+                row = _error_row(method, ctx, batch, exc)
+            rows.append(row)
+            if progress:  # each row as its context finishes: a run cut short still leaves its numbers
+                tqdm.write(f"{method}, ctx {ctx}: " + (f"{row['median_ms']:.1f} ms" if "median_ms" in row else row["error"]),
+                           file=sys.stderr)  # fmt: skip
+        del runs, steppers
+        torch._dynamo.reset()
+    bar.close()
+    rows.sort(key=lambda r: methods.index(r["method"]))  # stable: each method's contexts in order
     base = {r["ctx"]: r["median_ms"] for r in rows if r["method"] == "fp" and "median_ms" in r}
     for r in rows:
         if "median_ms" in r and r["ctx"] in base:
@@ -127,15 +191,17 @@ def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ["method", "batch", "ctx", "median ms/token", "p10-p90 ms", "x fp", "fill (s)", "warm-up (s)"]
+    header = ["method", "batch", "ctx", "median ms/token", "p10-p90 ms", "x fp", "fill (s)", "warm-up (s)",
+              "graphs compiled while timed"]  # fmt: skip
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["method"], str(r["batch"]), str(r["ctx"]), r["error"], "", "", "", ""])
+            lines.append([r["method"], str(r["batch"]), str(r["ctx"]), r["error"]] + [""] * (len(header) - 4))
             continue
         lines.append([
             r["method"], str(r["batch"]), str(r["ctx"]), f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}",
             f"{r['ratio_fp']:.2f}" if "ratio_fp" in r else "", f"{r['fill_s']:.1f}", f"{r['warmup_s']:.1f}",
+            str(r["graphs_compiled"]),
         ])  # fmt: skip
     return render_table(header, lines, markdown)
 
@@ -148,6 +214,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=arguments.nonnegative_int, default=3,
                         help="untimed decode steps first (default 3)")
     parser.add_argument("--steps", type=arguments.positive_int, default=10, help="timed decode steps (default 10)")
+    parser.add_argument("--rounds", type=arguments.positive_int, default=1,
+                        help="time each method's steps in this many turns, the methods alternating (at most --steps; "
+                             "default 1: one method after another)")  # fmt: skip
     parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--model", default=None,
@@ -183,7 +252,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
                     dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model,
-                    device=args.device)  # fmt: skip
+                    device=args.device, rounds=args.rounds)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
