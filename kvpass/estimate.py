@@ -5,8 +5,8 @@ v_head_dim)`` elements per token. What varies between models is how many layers 
 growing cache (hybrid models keep only a fixed-size recurrent/convolution state in the
 others), how many tokens a sliding-window layer keeps, and how many KV heads there are
 (GQA/MQA). Sizes come from a Hugging Face config (a local directory or config.json, a
-``kvpass.models_zoo`` name, or a ``PretrainedConfig``) or from explicit
-``(layers, kv_heads, head_dim)``.
+``kvpass.models_zoo`` name, a ``PretrainedConfig``, or a model ``kvpass eval`` loads: ``smollm2``
+or a ``.gguf`` file) or from explicit ``(layers, kv_heads, head_dim)``.
 
 kv4 is costed as the backend's default stores it (other ``kvpass.kv4`` settings through
 ``kv4_settings``, ``--kv4-setting NAME=VALUE``; unquantized tokens in 16 bits, as a 16-bit model
@@ -286,7 +286,7 @@ def kv_sizes(source: Any) -> KVSizes:
 
     Accepted: a :class:`KVSizes`; a ``(layers, kv_heads, head_dim)`` tuple; a
     ``PretrainedConfig``; a path to a directory holding config.json or to a config file;
-    a ``kvpass.models_zoo`` name.
+    a ``kvpass.models_zoo`` name; ``"smollm2"`` or a ``.gguf`` file (their configs, no weights).
     """
     if isinstance(source, KVSizes):
         return source
@@ -300,8 +300,8 @@ def kv_sizes(source: Any) -> KVSizes:
     if hasattr(source, "to_dict") and hasattr(source, "model_type"):
         return sizes_from_config(source)
     raise ValueError(
-        f"cannot estimate a KV cache for {source!r}; accepted: a config directory or "
-        "config.json path, a models_zoo name, a PretrainedConfig, or (layers, kv_heads, head_dim)"
+        f"cannot estimate a KV cache for {source!r}; accepted: a config directory or config.json path, "
+        "a models_zoo name, 'smollm2' or a .gguf file, a PretrainedConfig, or (layers, kv_heads, head_dim)"
     )
 
 
@@ -314,13 +314,18 @@ def _sizes_from_name_or_path(source: str | os.PathLike) -> KVSizes:
         path = path / "config.json"
         if not path.is_file():
             raise ValueError(f"directory {str(source)!r} has no config.json")
+    if str(source) == "smollm2" or (path.suffix == ".gguf" and path.is_file()):
+        # The models kvpass eval and bench decode --model take by name or file, as they load them.
+        from kvpass.models_zoo.real_model import load_config
+
+        return sizes_from_config(load_config(str(source)), name=str(source))
     if path.is_file():
         return sizes_from_config(_load_config_file(path), name=str(source))
     if str(source) in ZOO:
         return sizes_from_config(ZOO[str(source)](), name=f"models_zoo:{source}")
     raise ValueError(
-        f"{str(source)!r} is neither an existing config directory/file nor a models_zoo name; "
-        f"models_zoo names: {sorted(ZOO)}"
+        f"{str(source)!r} is neither an existing config directory/file, a .gguf file, 'smollm2' nor a "
+        f"models_zoo name; models_zoo names: {sorted(ZOO)}"
     )
 
 
@@ -634,7 +639,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="config directory / config.json, or a kvpass.models_zoo name",
+        help="config directory / config.json, a kvpass.models_zoo name, or smollm2 or a .gguf file (as kvpass eval)",
     )
     parser.add_argument("--layers", type=arguments.positive_int, default=None, help="KV layers (instead of --model)")
     parser.add_argument(

@@ -19,8 +19,10 @@ from typing import Callable
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -66,26 +68,47 @@ def load_model(
     ``~/.cache/kvpass/<file stem>``, ``~/.cache/kvpass/smollm2`` for SmolLM2); later calls
     load that copy.
     """
-    if model == "smollm2":
-        gguf = gguf_path()
-        default_cache = DEFAULT_CACHE_DIR
-    else:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model directory {path} has no config.json; pass one written by save_pretrained")
-            return _load_saved(path, dtype)
-        if path.suffix != ".gguf" or not path.is_file():
-            raise FileNotFoundError(
-                f"model {model!r} is not 'smollm2', an existing .gguf file or a save_pretrained directory"
-            )
-        gguf = path
-        default_cache = DEFAULT_CACHE_DIR.parent / path.stem
-    cache = Path(cache_dir if cache_dir is not None else default_cache).expanduser()
+    source = _located(model)
+    if source.is_dir():
+        return _load_saved(source, dtype)
+    cache = Path(cache_dir if cache_dir is not None else _converted_dir(model, source)).expanduser()
     if (cache / "config.json").is_file():
-        logger.info("loading %s from converted copy %s", gguf.name, cache)
+        logger.info("loading %s from converted copy %s", source.name, cache)
         return _load_saved(cache, dtype)
-    return _convert_gguf(gguf, cache, dtype)
+    return _convert_gguf(source, cache, dtype)
+
+
+def load_config(model: str = "smollm2") -> PretrainedConfig:
+    """The config of a model :func:`load_model` takes, without its weights: a GGUF file's from the
+    copy :func:`load_model` converted, else from the file's metadata (seconds: its vocabulary is read too)."""
+    source = _located(model)
+    if source.is_dir():
+        return AutoConfig.from_pretrained(source)
+    converted = _converted_dir(model, source).expanduser()
+    if (converted / "config.json").is_file():
+        return AutoConfig.from_pretrained(converted)
+    logger.info("reading the config of %s from its GGUF metadata", source)
+    return AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+
+
+def _located(model: str) -> Path:
+    """The ``save_pretrained`` directory or the ``.gguf`` file ``model`` names (:func:`load_model`)."""
+    if model == "smollm2":
+        return gguf_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json; pass one written by save_pretrained")
+        return path
+    if path.suffix != ".gguf" or not path.is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not 'smollm2', an existing .gguf file or a save_pretrained directory"
+        )
+    return path
+
+
+def _converted_dir(model: str, gguf: Path) -> Path:
+    return DEFAULT_CACHE_DIR if model == "smollm2" else DEFAULT_CACHE_DIR.parent / gguf.stem
 
 
 def _load_saved(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

