@@ -220,13 +220,12 @@ class PackedKV(torch.Tensor):
             energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
         return _marked_growing(self._quantized_append(new, energy, query, pads, filled))
 
-    def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None, query: torch.Tensor | None = None,
-                          pads: torch.Tensor | None = None, filled: torch.Tensor | None = None) -> PackedKV:  # fmt: skip
+    def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None, query: torch.Tensor | None,
+                          pads: torch.Tensor | None, filled: torch.Tensor) -> PackedKV:  # fmt: skip
         """:meth:`append` quantizing ``new``; ``q_energy`` (:func:`kvpass.reference.query_energy`) of
         its queries fixes a first append's query scales (after the ``pads`` of :meth:`append`), and the
-        append's ``query`` rounds a ``query_rounded`` spec's codes. A first append stores its rows'
-        tokens with their pads ``filled`` (``filled_pads``)."""
-        filled = filled if self._is_empty and filled is not None else self.filled_pads
+        append's ``query`` rounds a ``query_rounded`` spec's codes. The cache's ``filled_pads`` after
+        the append are ``filled`` (a first append stores its rows' tokens with them)."""
         pads = pads if self._is_empty else None  # a later append fixes no statistic
         takes_scales = self._is_empty and q_energy is not None and self.spec.takes_query_scales(new.shape[2])
         query_scales = reference.query_key_scales(q_energy, new, self.spec, pads) if takes_scales else self.query_scales
@@ -294,7 +293,7 @@ class PackedKV(torch.Tensor):
             new = new[:, :, sinks:]
         return head, offset, new
 
-    def _refined_append(self, new: torch.Tensor, head, offset, query_scales, rounding=None, filled=None) -> PackedKV:
+    def _refined_append(self, new: torch.Tensor, head, offset, query_scales, rounding, filled) -> PackedKV:
         """:meth:`append` for ``spec.refine``: codes as usual, then the newest tokens' error, quantized."""
         # One layout for every inner compiler (inductor may lay the new tokens out otherwise).
         new = new.to(self.dtype).contiguous()
