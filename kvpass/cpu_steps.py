@@ -19,8 +19,9 @@ into a few C++ loops:
 
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
 but for the cache's length, which the attention graph takes as a symbol, so each structure (spec,
-shape, which optional parts are present) compiles once, and once more past ``SUM_CHUNK`` keys
-(seconds, then Inductor's on-disk cache); prompts and chunks vary in length and their ops are large
+shape, which optional parts are present) compiles once, and again as each of its sums passes
+``SUM_CHUNK`` values (the default's: two more graphs from 4,096 to about 4,160 keys; seconds each,
+then Inductor's on-disk cache); prompts and chunks vary in length and their ops are large
 already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure is logged
 once and the reference runs eagerly from then on; an input the reference itself rejects raises its
 error and leaves the compiled path on.
@@ -43,7 +44,7 @@ log = logging.getLogger("kvpass")
 
 STEP_TOKENS = 1
 # Inductor's CPU code sums more than this many floats in chunks (its accumulation helper) and fewer
-# plainly, a choice it guards on: a decode step's attention compiles again once its keys pass it.
+# plainly, a choice it guards on: a decode step's attention compiles again as each sum passes it.
 SUM_CHUNK = 4096
 
 # Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
