@@ -83,8 +83,8 @@ def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill:
 
 @torch.no_grad()
 def time_steps(run: dict, steps: int, batch: int = 1) -> list[float]:
-    """Seconds of each of ``steps`` single-token decode steps of a :func:`prepare` d ``run``, which
-    they extend; ``run["graphs_compiled"]`` counts the graphs Dynamo compiled while they ran (a
+    """Seconds of each of ``steps`` single-token decode steps of a ``run`` from :func:`prepare`, whose
+    cache they extend; ``run["graphs_compiled"]`` counts the graphs Dynamo compiled while they ran (a
     step that compiles is timed with its compile)."""
     from torch._dynamo.utils import counters
 
