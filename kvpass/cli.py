@@ -139,10 +139,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         if args.verbose:
             raise
-        # Bad input (a value, a path): argparse's form, usage and the reason, exit status 2.
+        # Bad input (a value, a path, a model whose optional package is missing: its message names
+        # the install command): argparse's form, usage and the reason, exit status 2.
         sub_parser.error(str(err))
     return int(result or 0)
 

