@@ -5,8 +5,9 @@ v_head_dim)`` elements per token. What varies between models is how many layers 
 growing cache (hybrid models keep only a fixed-size recurrent/convolution state in the
 others), how many tokens a sliding-window layer keeps, and how many KV heads there are
 (GQA/MQA). Sizes come from a Hugging Face config (a local directory or config.json, a
-``kvpass.models_zoo`` name, a ``PretrainedConfig``, or a model ``kvpass eval`` loads: ``smollm2``
-or a ``.gguf`` file) or from explicit ``(layers, kv_heads, head_dim)``.
+``kvpass.models_zoo`` name, a ``PretrainedConfig``, or a model ``kvpass eval`` loads: ``smollm2``,
+a ``.gguf`` file or a hub id the local Hugging Face cache holds) or from explicit ``(layers, kv_heads,
+head_dim)``.
 
 kv4 is costed as the backend's default stores it (other ``kvpass.kv4`` settings through
 ``kv4_settings``, ``--kv4-setting NAME=VALUE``; unquantized tokens in 16 bits, as a 16-bit model
@@ -286,7 +287,8 @@ def kv_sizes(source: Any) -> KVSizes:
 
     Accepted: a :class:`KVSizes`; a ``(layers, kv_heads, head_dim)`` tuple; a
     ``PretrainedConfig``; a path to a directory holding config.json or to a config file;
-    a ``kvpass.models_zoo`` name; ``"smollm2"`` or a ``.gguf`` file (their configs, no weights).
+    a ``kvpass.models_zoo`` name; ``"smollm2"`` or a ``.gguf`` file (their configs, no weights); a hub
+    id (``"org/name"``) the local Hugging Face cache holds (never downloaded).
     """
     if isinstance(source, KVSizes):
         return source
@@ -301,7 +303,8 @@ def kv_sizes(source: Any) -> KVSizes:
         return sizes_from_config(source)
     raise ValueError(
         f"cannot estimate a KV cache for {source!r}; accepted: a config directory or config.json path, "
-        "a models_zoo name, 'smollm2' or a .gguf file, a PretrainedConfig, or (layers, kv_heads, head_dim)"
+        "a models_zoo name, 'smollm2', a .gguf file or a locally cached hub id, a PretrainedConfig, or "
+        "(layers, kv_heads, head_dim)"
     )
 
 
@@ -323,9 +326,14 @@ def _sizes_from_name_or_path(source: str | os.PathLike) -> KVSizes:
         return sizes_from_config(_load_config_file(path), name=str(source))
     if str(source) in ZOO:
         return sizes_from_config(ZOO[str(source)](), name=f"models_zoo:{source}")
+    from kvpass.models_zoo.real_model import cached_hub_snapshot
+
+    snapshot = cached_hub_snapshot(str(source))
+    if snapshot is not None and (snapshot / "config.json").is_file():
+        return sizes_from_config(_load_config_file(snapshot / "config.json"), name=str(source))
     raise ValueError(
-        f"{str(source)!r} is neither an existing config directory/file, a .gguf file, 'smollm2' nor a "
-        f"models_zoo name; models_zoo names: {sorted(ZOO)}"
+        f"{str(source)!r} is neither an existing config directory/file, a .gguf file, 'smollm2', a "
+        f"models_zoo name nor a hub id in the local Hugging Face cache; models_zoo names: {sorted(ZOO)}"
     )
 
 
@@ -639,7 +647,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="config directory / config.json, a kvpass.models_zoo name, or smollm2 or a .gguf file (as kvpass eval)",
+        help=f"a config directory or config.json, a kvpass.models_zoo name, or a model kvpass eval loads "
+        f"({arguments.REAL_MODELS})",
     )
     parser.add_argument("--layers", type=arguments.positive_int, default=None, help="KV layers (instead of --model)")
     parser.add_argument(

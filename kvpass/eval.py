@@ -662,7 +662,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries][-kB@L.L K bits B in layers L, not sim-], "
                              "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
+                        help=f"{arguments.REAL_MODELS} (default: smollm2)")
     parser.add_argument("--texts", default="kjv,code", help="comma-separated texts: kjv, code (default: both)")
     parser.add_argument("--text-file", action="append", default=[], metavar="PATH", help="also evaluate this text file")
     parser.add_argument("--contexts", type=arguments.token_list, default="2048",

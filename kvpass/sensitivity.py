@@ -83,7 +83,7 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default), a .gguf file, or a directory written by save_pretrained")
+                        help=f"{arguments.REAL_MODELS} (default: smollm2)")
     parser.add_argument("--text", default="kjv", help="kjv (default), code, or a text file's path")
     parser.add_argument("--context", type=arguments.tokens, default=1024, help="tokens of the text (default 1024)")
     parser.add_argument("--chunk", type=arguments.positive_int, default=64, help="tokens fed per step (default 64)")

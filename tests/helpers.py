@@ -104,3 +104,17 @@ def bits_equal(a, b):
     if not torch.equal(a.isnan(), b.isnan()):
         return False
     return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
+
+
+def hub_cache(root, monkeypatch, repo_id: str, commit: str = "0" * 40):
+    """A local Hugging Face cache under ``root`` (made the process's) holding ``repo_id``'s ``main``
+    at ``commit``, laid out as the hub client writes it; returns the snapshot directory."""
+    from huggingface_hub import constants
+
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+    return snapshot

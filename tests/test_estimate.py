@@ -65,8 +65,18 @@ def test_a_gguf_model_is_estimated_from_the_copy_kvpass_eval_converted(tmp_path,
     (tmp_path / "converted").mkdir()
     write_config(tmp_path / "converted", LLAMA31_8B, name="held-out")
     assert kv_bytes_per_token(str(gguf), "fp16") == 128 * KiB
-    with pytest.raises(ValueError, match="a .gguf file, 'smollm2' nor a models_zoo name"):
+    with pytest.raises(ValueError, match="a .gguf file, 'smollm2', a models_zoo name nor a hub id"):
         kv_sizes(str(tmp_path / "missing.gguf"))
+
+
+def test_a_hub_id_is_estimated_from_its_locally_cached_config(tmp_path, monkeypatch):
+    from tests.helpers import hub_cache
+
+    snapshot = hub_cache(tmp_path, monkeypatch, "meta-llama/Llama-3.1-8B")
+    (snapshot / "config.json").write_text(json.dumps(LLAMA31_8B))
+    assert kv_bytes_per_token("meta-llama/Llama-3.1-8B", "fp16") == 128 * KiB
+    with pytest.raises(ValueError, match="nor a hub id in the local Hugging Face cache"):
+        kv_sizes("meta-llama/Llama-3.1-70B")  # not in the cache, and never fetched
 
 
 @pytest.mark.skipif(

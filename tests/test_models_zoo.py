@@ -9,6 +9,7 @@ import torch
 from kvpass import models_zoo
 from kvpass.models_zoo import ZOO, build
 from kvpass.models_zoo import real_model
+from tests.helpers import hub_cache
 
 SLIDING = ("mistral", "gemma2", "gemma3", "starcoder2")
 PROMPT = torch.randint(3, models_zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -108,24 +109,45 @@ def test_missing_package_names_install_command(monkeypatch):
 
 
 def test_load_model_names_what_it_accepts(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"not 'smollm2', an existing \.gguf file or a save_pretrained directory"):
+    with pytest.raises(FileNotFoundError, match=r"not 'smollm2', an existing \.gguf file, a save_pretrained directory or a"):
         real_model.load_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         real_model.load_model(str(tmp_path))
 
 
-def test_load_model_reads_a_saved_directory(tmp_path):
+def save_tiny_model(directory) -> None:
+    """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer, as ``save_pretrained`` writes them."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    LlamaForCausalLM(config).save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(32)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(directory)
+
+
+def test_load_model_reads_a_saved_directory(tmp_path):
+    save_tiny_model(tmp_path)
     model, tokenizer = real_model.load_model(str(tmp_path), dtype=torch.float64)
     assert model.config.num_hidden_layers == 1 and model.dtype == torch.float64 and not model.training
     assert len(tokenizer) == 32
+
+
+def test_load_model_reads_a_hub_id_from_the_local_cache_only(tmp_path, monkeypatch):
+    save_tiny_model(hub_cache(tmp_path / "hub", monkeypatch, "org/tiny"))
+    model, tokenizer = real_model.load_model("org/tiny")
+    assert model.config.num_key_value_heads == 1 and len(tokenizer) == 32
+    assert real_model.load_config("org/tiny").num_hidden_layers == 1
+    # An id the cache lacks is never fetched: the error names the cache and what is accepted.
+    with pytest.raises(FileNotFoundError, match=f"model id in the local Hugging Face cache \\({tmp_path / 'hub'}; kvpass never"):
+        real_model.load_model("org/absent")
+    # A local path takes precedence over a cached id of the same name.
+    save_tiny_model(tmp_path / "org" / "tiny")
+    (tmp_path / "org" / "tiny" / "config.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        real_model.load_model("org/tiny")
 
 
 def test_conversions_running_at_once_each_finish_with_one_complete_copy(tmp_path):

@@ -220,8 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fill", choices=["fast", "real"], default="fast", help="how the kv4 cache is filled")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--model", default=None,
-                        help="a real model instead of the benchmark model: smollm2, a .gguf file or a save_pretrained "
-                             "directory (as kvpass eval); random tokens fill it")  # fmt: skip
+                        help=f"a real model instead of the benchmark model: {arguments.REAL_MODELS}; random tokens "
+                             "fill it")  # fmt: skip
     parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="the benchmark model's (no --model)")
     parser.add_argument("--layers", type=arguments.positive_int, default=2, help="the benchmark model's (no --model)")
     parser.add_argument("--threads", type=arguments.positive_int, default=None)
