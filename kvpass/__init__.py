@@ -7,8 +7,9 @@ point); import it for non-default settings: ``torch.compile(model, backend=kvpas
 from kvpass.backend import default_backend, kv4
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
+from kvpass.version import __version__
 
-__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "int4_static_caches", "kv4"]
+__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "int4_static_caches", "kv4", "__version__"]
 
 
 def __getattr__(name):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, version
 
 log = logging.getLogger("kvpass")
 
@@ -110,6 +110,7 @@ def _load(module_name: str, command: str):
 def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpass", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what kvpass does (INFO)")
+    parser.add_argument("--version", action="version", version=f"kvpass {version.describe()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text).set_defaults(_module=module)

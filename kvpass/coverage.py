@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpass import arguments, cpu_steps
+from kvpass import arguments, cpu_steps, version
 
 log = logging.getLogger("kvpass")
 
@@ -667,7 +667,7 @@ def run(args) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             futures = [pool.submit(_run_isolated, t, args.timeout, args.head_dim, args.routes, kv4_settings) for t in todo]
             for future in tqdm(concurrent.futures.as_completed(futures), total=len(todo), desc="model types"):
-                rows.append(future.result())
+                rows.append({**future.result(), "kvpass": version.describe()})  # which code checked the row
                 rows_out.write(json.dumps(rows[-1]) + "\n")
                 rows_out.flush()
     command = "kvpass " + " ".join(sys.argv[sys.argv.index("coverage"):]) if "coverage" in sys.argv else "kvpass coverage"

@@ -90,7 +90,7 @@ from typing import Callable
 
 import torch
 
-from kvpass import arguments, cpu_steps
+from kvpass import arguments, cpu_steps, version
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
@@ -643,6 +643,7 @@ def machine() -> dict:
     import transformers
 
     return {
+        "kvpass": version.describe(),
         "cpu": platform.processor() or platform.machine(),
         "cores": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -25,6 +25,40 @@ def test_estimate_reproduces_llama_3_figure(capsys):
     assert "16.00 GiB" in capsys.readouterr().out
 
 
+def test_version_names_the_commit_of_a_checkout(capsys, monkeypatch, tmp_path):
+    import subprocess
+
+    import kvpass
+    from kvpass import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == f"kvpass {version.describe()}" and version.describe().startswith(kvpass.__version__)
+    if (version._CHECKOUT / ".git").exists():  # CI's checkout; an unpacked copy has no commit to name
+        head = subprocess.run(["git", "-C", str(version._CHECKOUT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        assert f"+git.{head}" in printed
+    # An installed copy (no .git beside it) is its version alone, whatever repository holds it.
+    monkeypatch.setattr(version, "_CHECKOUT", tmp_path)
+    version.describe.cache_clear()
+    try:
+        assert version.describe() == kvpass.__version__
+    finally:
+        version.describe.cache_clear()
+
+
+def test_results_record_the_kvpass_that_made_them(tmp_path):
+    import json
+
+    assert main(["bench", "append", "--contexts", "64", "--methods", "fp16 cat", "--steps", "2", "--heads", "1",
+                 "--head-dim", "32", "--json", str(tmp_path / "append.json")]) == 0  # fmt: skip
+    from kvpass import version
+
+    assert json.loads((tmp_path / "append.json").read_text())["kvpass"] == version.describe()
+
+
 @pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"], ["sensitivity"]])
 def test_help_lists_the_subcommands_own_options(command, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from kvpass import version
+
 # name -> (model dtype, how the cache is held)
 CACHES = {
     "fp16": (torch.float16, "dynamic"),
@@ -114,7 +116,7 @@ def write_results(args, info: dict, markdown_table: str) -> None:
     """``--json`` gets ``info``; ``--markdown`` the command and the table."""
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(info, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps({"kvpass": version.describe(), **info}, indent=1) + "\n")
     if args.markdown:
         elapsed = f" ({info['elapsed_s']:.0f} s)" if "elapsed_s" in info else ""
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)

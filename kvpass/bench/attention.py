@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, version
 from kvpass.config import PREFIX_MIN_TOKENS, KVConfig
 
 # Larger than any L2 (H200: 50 MiB), rewritten before every timed call so no method is
@@ -171,7 +171,8 @@ def run(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             if args.output.endswith(".json"):
-                json.dump(dict(device=torch.cuda.get_device_name(), copy_bytes_per_s=bandwidth, rows=rows), f, indent=2)
+                json.dump(dict(kvpass=version.describe(), device=torch.cuda.get_device_name(),
+                               copy_bytes_per_s=bandwidth, rows=rows), f, indent=2)  # fmt: skip
             else:
                 f.write(table + "\n")
     return 0
