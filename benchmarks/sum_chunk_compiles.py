@@ -1,8 +1,8 @@
-"""What a CPU decode step's fused attention costs as its cache passes ``cpu_steps.SUM_CHUNK`` keys:
-SmolLM2's heads (9 query, 3 KV heads of 64 channels) over a default-packed cache (the layout
-``kvpass bench attention`` builds), one fresh cache per context, in order. For each: the first two
-calls' wall time (a compile, where one happens), the graphs Dynamo compiled in them, and the median
-of 200 calls after.
+"""What a CPU decode step's fused attention costs as its cache passes 4,096 keys, where Inductor's
+CPU code would sum in chunks instead of plainly: SmolLM2's heads (9 query, 3 KV heads of 64
+channels) over a default-packed cache (the layout ``kvpass bench attention`` builds), one fresh cache
+per context, in order. For each: the first two calls' wall time (a compile, where one happens), the
+graphs Dynamo compiled in them, and the median of 200 calls after.
 
     python benchmarks/sum_chunk_compiles.py [--contexts 1024,4000,4100,4200,8192] [--threads 1]
 """

@@ -18,11 +18,9 @@ into a few C++ loops:
   measurements keep the reference (:func:`reference_attention`).
 
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
-but for the cache's length, which the attention graph takes as a symbol, so each structure (spec,
-shape, which optional parts are present) compiles once, and again as each of its sums passes
-``SUM_CHUNK`` values (the default's: two more graphs from 4,096 to about 4,160 keys; seconds each,
-then Inductor's on-disk cache); prompts and chunks vary in length and their ops are large
-already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure is logged
+but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
+so each structure (spec, shape, which optional parts are present) compiles once for every length;
+prompts and chunks vary in length and their ops are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure is logged
 once and the reference runs eagerly from then on; an input the reference itself rejects raises its
 error and leaves the compiled path on.
 """
@@ -43,9 +41,6 @@ from kvpass import reference
 log = logging.getLogger("kvpass")
 
 STEP_TOKENS = 1
-# Inductor's CPU code sums more than this many floats in chunks (its accumulation helper) and fewer
-# plainly, a choice it guards on: a decode step's attention compiles again as each sum passes it.
-SUM_CHUNK = 4096
 
 # Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
 # tests of this module turn it on and compare with the eager reference. Off before torch 2.13:
@@ -156,21 +151,30 @@ def _stored_parts(codes, scales, residual, spec, fine_codes, fine_scales, head):
     """A cache's stored tokens, in order, as ``(values [B, H, n, D] fp32 field-major, quantized)`` parts.
 
     Each part is an expression for Inductor to read inside its reduction, never a block in memory.
-    The refined tokens are a part of their own, so their two planes add element by element."""
+    The refined tokens are a part of their own, so their two planes add element by element. Lengths
+    are unbacked symbols (:func:`attention`): a part may be empty, and nothing here branches on one."""
     order = reference.field_order(residual.shape[-1], spec, residual.device)
-    n_fine = 0 if fine_codes is None else fine_codes.shape[2]
-    split = codes.shape[2] - n_fine
+    _check_scales(codes, scales, spec)
+    split = codes.shape[2] - (0 if fine_codes is None else fine_codes.shape[2])
+    torch._check(split >= 0)
     parts = []
-    if head is not None and head.shape[2]:
+    if head is not None and head.shape[2]:  # a fixed count, not a symbol
         parts.append((head.float()[..., order], False))
-    if split:
-        parts.append((reference.dequantize_field_major(codes[:, :, :split], scales[:, :, :split], spec), True))
-    if n_fine:
+    parts.append((reference.dequantize_field_major(codes[:, :, :split], scales[:, :, :split], spec), True))
+    if fine_codes is not None:
+        _check_scales(fine_codes, fine_scales, spec)
         coarse = reference.dequantize_field_major(codes[:, :, split:], scales[:, :, split:], spec)
         parts.append((coarse + reference.dequantize_field_major(fine_codes, fine_scales, spec), True))
-    if residual.shape[2]:
-        parts.append((residual.float()[..., order], False))
+    parts.append((residual.float()[..., order], False))
     return parts
+
+
+def _check_scales(codes: torch.Tensor, scales: torch.Tensor, spec) -> None:
+    # Tells the trace how two unbacked lengths relate, which it cannot know from the inputs alone.
+    if spec.scheme == "channel":
+        torch._check(scales.shape[2] * spec.group == codes.shape[2])
+    else:
+        torch._check(scales.shape[2] == codes.shape[2])
 
 
 # Query heads per KV head up to which each reads a part in a sum of its own: Inductor fuses sums over
@@ -213,6 +217,7 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     if attn_mask is not None:
+        torch._check(attn_mask.shape[-1] == s.shape[-1])
         attn_mask = reference.grouped_mask(attn_mask, Hkv)[:, :, :, 0]  # one query token
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
     m = s.amax(-1, keepdim=True)
@@ -220,27 +225,44 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
     p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     denom = p.sum(-1, keepdim=True)
     v_offset = reference.fixed_or_none(v_offset)
-    out, start = 0, 0
-    for v, quantized in _stored_parts(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head):
-        p_part = p[..., start : start + v.shape[2]]
+    v_parts = _stored_parts(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head)
+    lengths = [v.shape[2] for v, _ in v_parts] + [1]
+    torch._check(sum(lengths) == p.shape[-1])  # K's parts and V's cover the same tokens
+    *p_parts, p_new = torch.split(p, lengths, -1)
+    out = 0
+    for (v, quantized), p_part in zip(v_parts, p_parts):
         out = out + _weighted(p_part, v)
         if quantized and v_offset is not None:
             out = out + p_part.sum(-1, keepdim=True) * v_offset.float()[..., v_order]
-        start += v.shape[2]
-    out = out @ v_reading.T + _weighted(p[..., start:], v_new.float())
+    out = out @ v_reading.T + _weighted(p_new, v_new.float())
     # A row with every key masked gives zeros, as torch's SDPA does; NaN (a poisoned group) propagates.
     out = (out / denom).masked_fill(denom == 0, 0.0)
     return out.reshape(B, Hq, 1, Dv).to(q.dtype)
 
 
 def _structure(t: torch.Tensor | None):
-    # What a graph specialises on besides the token count, which is a symbol once it is 2 or more. A
-    # contiguous tensor's strides follow from its sizes, symbolic with them (a traced graph's cache is
-    # a fresh contiguous tensor every step); a view into a grown buffer has the buffer's.
+    # What a graph specialises on besides the token count, which is a symbol. A contiguous tensor's
+    # strides follow from its sizes, symbolic with them (a traced graph's cache is a fresh contiguous
+    # tensor every step); a view into a grown buffer has the buffer's.
     if t is None:
         return None
     strides = "contiguous" if t.is_contiguous() else (t.stride()[:2], t.stride()[3:])
-    return t.dtype, t.shape[:2], min(t.shape[2], 2), t.shape[3:], strides
+    return t.dtype, t.shape[:2], t.shape[3:], strides
+
+
+def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+    """An alias of ``t`` whose length ``dim`` a graph takes as an unbacked symbol, so that no value of
+    it is a guard and one graph serves a structure at every length: Dynamo specialises backed lengths
+    of 0 and 1, and Inductor's CPU code sums more than 4,096 floats in chunks and fewer plainly, a
+    choice it guards on (two more graphs, seconds each, as a cache passed 4,096 and ~4,160 keys); on
+    unbacked lengths it sums plainly at any length. The hint (this length) is what Inductor tunes its
+    loops for: hinted far off (4,096 for every part), a step ran 1.3-1.6x slower
+    (``benchmarks/sum_chunk_compiles.py``)."""
+    if t is None:
+        return None
+    alias = t.view(t.shape)
+    torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=t.shape[dim])
+    return alias
 
 
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -269,13 +291,14 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
         return eager()
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
-    stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)
-    for t, dim in [(t, 2) for t in stored] + [(attn_mask, -1)]:
-        if t is not None and t.shape[dim] > 1:  # Dynamo specialises a length of 0 or 1 anyway
-            torch._dynamo.maybe_mark_dynamic(t, dim % t.dim())
+    # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
+    stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
+    attn_mask = _unbacked(attn_mask, -1)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)
-    key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)),
+    # Sinks and offset hold a fixed count of rows, which the graph takes as a constant.
+    fixed_rows = [None if t is None else t.shape[2] for t in rest]
+    key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
            None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
     compiled_args = (q, *stored[:6], _step(k_new), _step(v_new), attn_mask, scale, softcap, *stored[6:], *rest,
                      k_reading, v_reading, k_spec, v_spec)  # fmt: skip

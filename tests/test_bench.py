@@ -48,32 +48,6 @@ def test_memory_compiles_every_graph_before_its_baseline():
     assert "(2 graphs compiled in it)" in memory.format_table([dict(kv4, graphs_compiled=2)])
 
 
-@pytest.mark.parametrize("ctx, warm_tokens", [(160, 160), (400, 240), (64, 96)])
-def test_memory_warm_up_decodes_at_the_measured_lengths_near_the_sum_chunk(monkeypatch, ctx, warm_tokens):
-    """A decode step's attention takes another graph as each of its sums passes SUM_CHUNK (here 128),
-    so near it the warm-up fills to the measured length and decodes as many steps; a longer cache
-    warms up a few chunks past it, a shorter one on three chunks."""
-    from kvpass import bench, cpu_steps
-
-    fills, steps = [], []  # each fill's tokens; each decode step's fill (1: the warm-up's, 2: the measured one)
-    fill, decode_step = bench.fill, bench.decode_step
-
-    def counted_fill(step, cache, batch, tokens, **kwargs):
-        fills.append(tokens)
-        return fill(step, cache, batch, tokens, **kwargs)
-
-    def counted_step(step, cache, batch):
-        steps.append(len(fills))
-        return decode_step(step, cache, batch)
-
-    monkeypatch.setattr(cpu_steps, "SUM_CHUNK", 128)
-    monkeypatch.setattr(bench, "fill", counted_fill)
-    monkeypatch.setattr(bench, "decode_step", counted_step)
-    memory.measure("fp16", ctx=ctx, batch=1, decode=4, chunk=32, sizes=TINY)
-    assert fills == [warm_tokens, ctx]
-    assert steps == [1] * (4 if warm_tokens == ctx else 3) + [2] * 4
-
-
 def test_memory_subprocess_and_table(tmp_path):
     row = memory.measure_in_subprocess("fp16", ctx=64, batch=1, decode=1, chunk=32, sizes=TINY, timeout=120)
     assert "error" not in row, row

@@ -289,6 +289,23 @@ def test_the_fused_attention_takes_the_cache_length_as_a_symbol(compiled_steps):
     torch.testing.assert_close(got, expected, **TOLERANCE[torch.float32])
 
 
+def test_one_graph_serves_a_cache_passing_4096_keys(compiled_steps):
+    # Inductor's CPU code sums more than 4,096 floats in chunks and fewer plainly, and guarded on the
+    # choice for a backed length: the default's attention compiled twice more as a cache passed 4,096
+    # keys (its sum over every key) and about 4,160 (over the keys outside V's second plane).
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 1, 4090, torch.float32, seed=7, rep=1)
+    _second(lambda: packed.attention(q, k, v, k_new, v_new))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(80):
+        k, v = k.append(k_new, query=q), v.append(v_new)
+        got = packed.attention(q, k, v, k_new, v_new)
+    assert k.shape[2] + 1 == 4090 + 80 + 1 > 4096 + 64
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_steps.count(cpu_steps._decode_attention) == 1 + 80
+    with cpu_steps.reference_attention():
+        torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+
+
 def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference(compiled_steps):
     k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 100, torch.float32, seed=4)
     k4, v4, q4 = (torch.cat([t] * 4, dim=2) for t in (k_new, v_new, q))

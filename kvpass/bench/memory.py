@@ -67,7 +67,7 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     import torch
     from torch._dynamo.utils import counters
 
-    from kvpass import bench, cpu_steps
+    from kvpass import bench
 
     dtype, how = bench.CACHES[cache]
     model = bench.build_model(dtype, **(sizes or {}))
@@ -76,16 +76,8 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
     # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, the last shorter chunk,
     # decode steps) at the measured sizes, so no graph compiles while measuring: Dynamo's memory
     # would count as the cache's (64-token warm-up chunks left two graphs to the 16K fill of 256-token ones).
-    warm_tokens = 3 * chunk + ctx % chunk
-    if ctx + decode > cpu_steps.SUM_CHUNK:
-        # A CPU decode step's attention compiles again as each of its sums passes SUM_CHUNK values
-        # (three graphs from 4,096 to about 4,160 keys): the warm-up decodes at the measured lengths,
-        # or, for a longer cache, a few chunks past SUM_CHUNK, where every sum has passed it. Not
-        # longer: freeing a cache of the measured size would leave glibc's heap otherwise than a
-        # fresh process's (16K: 67 MiB of growth at batch 1 instead of 58-63).
-        warm_tokens = min(ctx, warm_tokens + -(-cpu_steps.SUM_CHUNK // chunk) * chunk)
-    warm = bench.fill(step, new_cache(), batch, warm_tokens, chunk=chunk, vocab=vocab)
-    for _ in range(max(decode, 3) if warm_tokens == ctx else 3):
+    warm = bench.fill(step, new_cache(), batch, 3 * chunk + ctx % chunk, chunk=chunk, vocab=vocab)
+    for _ in range(3):
         warm = bench.decode_step(step, warm, batch)
     del warm
     gc.collect()
