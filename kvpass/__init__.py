@@ -9,7 +9,9 @@ from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.version import __version__
 
-__all__ = ["KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "default_backend", "int4_static_caches", "kv4", "__version__"]
+__all__ = [
+    "KVConfig", "PackedKV", "QuantSpec", "StaticKVCache", "__version__", "default_backend", "int4_static_caches", "kv4",
+]  # fmt: skip
 
 
 def __getattr__(name):

@@ -9,7 +9,8 @@ import argparse
 _SUFFIXES = {"k": 2**10, "m": 2**20}
 
 # What --model takes wherever a real model is loaded (kvpass.models_zoo.real_model.load_model).
-REAL_MODELS = "smollm2, a .gguf file, a directory written by save_pretrained, or a hub id (org/name) in the local Hugging Face cache"
+REAL_MODELS = ("smollm2, a .gguf file, a directory written by save_pretrained, or a hub id (org/name) in the local "
+               "Hugging Face cache")
 
 
 def positive_int(text: str) -> int:

@@ -20,9 +20,9 @@ into a few C++ loops:
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
 but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
 so each structure (spec, shape, which optional parts are present) compiles once for every length;
-prompts and chunks vary in length and their ops are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure is logged
-once and the reference runs eagerly from then on; an input the reference itself rejects raises its
-error and leaves the compiled path on.
+prompts and chunks vary in length and their ops are large already, so they stay eager. Where
+Inductor cannot compile (no C++ compiler), the failure is logged once and the reference runs eagerly
+from then on; an input the reference itself rejects raises its error and leaves the compiled path on.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _stored_parts(codes, scales, residual, spec, fine_codes, fine_scales, head):
 
     Each part is an expression for Inductor to read inside its reduction, never a block in memory.
     The refined tokens are a part of their own, so their two planes add element by element. Lengths
-    are unbacked symbols (:func:`attention`): a part may be empty, and nothing here branches on one."""
+    are unbacked symbols (:func:`_unbacked`): a part may be empty, and nothing here branches on one."""
     order = reference.field_order(residual.shape[-1], spec, residual.device)
     _check_scales(codes, scales, spec)
     split = codes.shape[2] - (0 if fine_codes is None else fine_codes.shape[2])
@@ -241,7 +241,7 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
 
 
 def _structure(t: torch.Tensor | None):
-    # What a graph specialises on besides the token count, which is a symbol. A contiguous tensor's
+    # What a graph specialises on besides the token count, an unbacked symbol. A contiguous tensor's
     # strides follow from its sizes, symbolic with them (a traced graph's cache is a fresh contiguous
     # tensor every step); a view into a grown buffer has the buffer's.
     if t is None:

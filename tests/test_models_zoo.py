@@ -140,7 +140,8 @@ def test_load_model_reads_a_hub_id_from_the_local_cache_only(tmp_path, monkeypat
     assert model.config.num_key_value_heads == 1 and len(tokenizer) == 32
     assert real_model.load_config("org/tiny").num_hidden_layers == 1
     # An id the cache lacks is never fetched: the error names the cache and what is accepted.
-    with pytest.raises(FileNotFoundError, match=f"model id in the local Hugging Face cache \\({tmp_path / 'hub'}; kvpass never"):
+    cache = tmp_path / "hub"
+    with pytest.raises(FileNotFoundError, match=f"model id in the local Hugging Face cache \\({cache}; kvpass never"):
         real_model.load_model("org/absent")
     # A local path takes precedence over a cached id of the same name.
     save_tiny_model(tmp_path / "org" / "tiny")
