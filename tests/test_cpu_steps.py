@@ -335,7 +335,7 @@ def test_a_cache_regrowing_and_its_planes_sliding_compile_nothing_more(compiled_
     # through its storage, whose offset of 0 or 1 Dynamo specialised (a graph each time it came round).
     gen = torch.Generator().manual_seed(5)
     # 300 tokens: K's second plane has its 2 rows or more already (a shorter cache's grows from none,
-    # each of 0, 1 and more being a structure of its own).
+    # and a plane of 0 or 1 rows is contiguous to torch, another structure than a longer one's view).
     k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 300, torch.float32, seed=5)
     assert k.fine_codes.shape[2] >= 2
     for _ in range(3):  # the graph compiles with the planes a row into their storage, as a symbol
