@@ -255,13 +255,17 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     it is a guard and one graph serves a structure at every length: Dynamo specialises backed lengths
     of 0 and 1, and Inductor's CPU code sums more than 4,096 floats in chunks and fewer plainly, a
     choice it guards on (two more graphs, seconds each, as a cache passed 4,096 and ~4,160 keys); on
-    unbacked lengths it sums plainly at any length. The hint (this length) is what Inductor tunes its
-    loops for: hinted far off (4,096 for every part), a step ran 1.3-1.6x slower
-    (``benchmarks/sum_chunk_compiles.py``)."""
+    unbacked lengths it sums plainly at any length. The hint is what Inductor tunes its loops for:
+    hinted far off (4,096 for every part), a step ran 1.3-1.6x slower; hinted near this length, as
+    fast at any length (``benchmarks/sum_chunk_compiles.py``). The hint is this length rounded up to a
+    power of two: Inductor's on-disk cache keys on it, so processes whose first steps differ by a few
+    tokens find one another's code (10 s cold, 4 s from that cache)."""
     if t is None:
         return None
     alias = t.view(t.shape)
-    torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=t.shape[dim])
+    length = t.shape[dim]
+    hint = 1 << max(length - 1, 0).bit_length()
+    torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=hint)
     return alias
 
 
