@@ -175,6 +175,23 @@ def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_the_attentions_marks_stay_off_the_models_graphs(monkeypatch):
+    # The fused attention marks its lengths unbacked on aliases: on the cache's own tensors the marks
+    # reached the model's next graph (a 10-token prompt's compiles again when V's plane reaches 2 rows),
+    # whose trace broke on them (33 graphs for 20 steps of an 8-layer Llama).
+    model = kv_heavy_llama()
+    monkeypatch.setattr(cpu_steps, "enabled", True)
+    monkeypatch.setattr(cpu_steps, "_compiled", {})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step, cache = torch.compile(model, backend="kv4"), DynamicCache()
+    token = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    for _ in range(8):
+        token = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert cache.layers[0].values.fine_codes.shape[2] >= 2
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
 def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps, monkeypatch):
     # kvpass eval tries a dozen schemes in one process, and Dynamo keeps recompile_limit (8) graphs per
     # code object: here a limit of 2 against 3 specs, which is cheaper to compile.
