@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import types
 import warnings
 
@@ -241,13 +242,33 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
 
 
 def _structure(t: torch.Tensor | None):
-    # What a graph specialises on besides the token count, an unbacked symbol. A contiguous tensor's
-    # strides follow from its sizes, symbolic with them (a traced graph's cache is a fresh contiguous
-    # tensor every step); a view into a grown buffer has the buffer's.
+    # What a graph specialises on besides the token count, an unbacked symbol. A cache's parts are
+    # sequence-major (tokens outermost), whose strides do not depend on the length: those, whatever
+    # the length (torch calls a part of 0 or 1 rows contiguous too, and it would be a graph of its own).
+    # A contiguous tensor's strides follow from its sizes, symbolic with them (a traced graph's cache
+    # is a fresh contiguous tensor every step); any other view has its own.
     if t is None:
         return None
-    strides = "contiguous" if t.is_contiguous() else (t.stride()[:2], t.stride()[3:])
+    if t.stride(2) >= max(t.stride(0), t.stride(1)):
+        strides = t.stride()
+    else:
+        strides = "contiguous" if t.is_contiguous() else (t.stride()[:2], t.stride()[3:])
     return t.dtype, t.shape[:2], t.shape[3:], strides
+
+
+def _rows_outermost(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, a cache's part, with the strides a longer part of its cache has: a part of 0 or 1 rows
+    may have any row stride (an op's output has the contiguous one), which would key and guard a graph
+    of its own, though no row past the first is ever read."""
+    if t is None or t.shape[2] > 1:
+        return t
+    B, H, _, *rest = t.shape
+    inner = torch.empty(rest, device="meta").stride()
+    row = math.prod(rest)
+    strides = (H * row, row, B * H * row, *inner)
+    if (t.stride(0), t.stride(1), *t.stride()[3:]) != (strides[0], strides[1], *strides[3:]):
+        return t
+    return t.as_strided(t.shape, strides, t.storage_offset())
 
 
 def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
@@ -262,7 +283,7 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     tokens find one another's code (10 s cold, 4 s from that cache)."""
     if t is None:
         return None
-    alias = t.view(t.shape)
+    alias = t.as_strided(t.shape, t.stride(), t.storage_offset())  # as view() would not: any strides
     length = t.shape[dim]
     hint = 1 << max(length - 1, 0).bit_length()
     torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=hint)
@@ -296,7 +317,8 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
         return eager()
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
     # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
-    stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
+    stored = [_unbacked(_rows_outermost(t), 2)
+              for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]  # fmt: skip
     attn_mask = _unbacked(attn_mask, -1)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)

@@ -323,6 +323,29 @@ def test_one_graph_serves_a_cache_passing_4096_keys(compiled_steps):
         torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
 
 
+def test_a_plane_of_one_row_and_a_longer_one_share_a_graph(compiled_steps):
+    # A part of 0 or 1 rows is contiguous to torch whatever its row stride (an op's output has the
+    # contiguous one): it keyed a graph of its own, compiled again as V's plane reached 2 rows.
+    gen = torch.Generator().manual_seed(8)
+    k = PackedKV.from_float(torch.randn(2, 2, 9, 64, generator=gen), DEFAULT.k)
+    v = PackedKV.from_float(torch.randn(2, 2, 9, 64, generator=gen), DEFAULT.v)
+    q = torch.randn(2, 6, 1, 64, generator=gen)
+    lengths = []
+    for step in range(10):
+        k_new, v_new = torch.randn(2, 2, 1, 64, generator=gen), torch.randn(2, 2, 1, 64, generator=gen)
+        if step == 2:  # the attention's first call ran eagerly, the second compiled, as V's append's
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        got = packed.attention(q, k, v, k_new, v_new)
+        lengths.append(v.fine_codes.shape[2])
+        if step < 9:
+            k, v = k.append(k_new, query=q), v.append(v_new)
+    assert lengths[:3] == [1, 1, 1] and lengths[-1] == 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert [fn for fn, _ in cpu_steps._compiled].count(cpu_steps._decode_attention) == 1
+    with cpu_steps.reference_attention():
+        torch.testing.assert_close(got, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+
+
 def test_prompts_static_caches_and_causal_single_queries_stay_with_the_reference(compiled_steps):
     k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 100, torch.float32, seed=4)
     k4, v4, q4 = (torch.cat([t] * 4, dim=2) for t in (k_new, v_new, q))
