@@ -263,9 +263,8 @@ def _rows_outermost(t: torch.Tensor | None) -> torch.Tensor | None:
     if t is None or t.shape[2] > 1:
         return t
     B, H, _, *rest = t.shape
-    inner = torch.empty(rest, device="meta").stride()
     row = math.prod(rest)
-    strides = (H * row, row, B * H * row, *inner)
+    strides = (H * row, row, B * H * row, *(math.prod(rest[i + 1 :]) for i in range(len(rest))))
     if (t.stride(0), t.stride(1), *t.stride()[3:]) != (strides[0], strides[1], *strides[3:]):
         return t
     return t.as_strided(t.shape, strides, t.storage_offset())
