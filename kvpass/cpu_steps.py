@@ -257,9 +257,10 @@ def _structure(t: torch.Tensor | None):
 
 
 def _rows_outermost(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t``, a cache's part, with the strides a longer part of its cache has: a part of 0 or 1 rows
-    may have any row stride (an op's output has the contiguous one), which would key and guard a graph
-    of its own, though no row past the first is ever read."""
+    """``t``, a second plane, with the strides a longer plane has: one of 0 or 1 rows may have any row
+    stride (an op's output has the contiguous one), which would key and guard a graph of its own,
+    though no row past the first is ever read. Only planes: restriding the fp tails too (often of 0 or
+    1 rows) made a call 3% slower (``benchmarks/sum_chunk_compiles.py``), for no graph saved."""
     if t is None or t.shape[2] > 1:
         return t
     B, H, _, *rest = t.shape
@@ -316,8 +317,8 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
         return eager()
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
     # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
-    stored = [_unbacked(_rows_outermost(t), 2)
-              for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]  # fmt: skip
+    fine = map(_rows_outermost, fine)  # planes grow from 0 rows in a short prompt's decode
+    stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
     attn_mask = _unbacked(attn_mask, -1)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)
