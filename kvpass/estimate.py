@@ -311,8 +311,11 @@ def kv_sizes(source: Any) -> KVSizes:
 def _sizes_from_name_or_path(source: str | os.PathLike) -> KVSizes:
     # Imported here: models_zoo pulls in torch and transformers, which explicit sizes never need.
     from kvpass.models_zoo import ZOO
+    from kvpass.models_zoo.real_model import cached_hub_snapshot
 
     path = Path(source).expanduser()
+    if not path.exists() and str(source) not in ZOO:
+        path = cached_hub_snapshot(str(source)) or path  # read as the directory it is
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -326,11 +329,6 @@ def _sizes_from_name_or_path(source: str | os.PathLike) -> KVSizes:
         return sizes_from_config(_load_config_file(path), name=str(source))
     if str(source) in ZOO:
         return sizes_from_config(ZOO[str(source)](), name=f"models_zoo:{source}")
-    from kvpass.models_zoo.real_model import cached_hub_snapshot
-
-    snapshot = cached_hub_snapshot(str(source))
-    if snapshot is not None and (snapshot / "config.json").is_file():
-        return sizes_from_config(_load_config_file(snapshot / "config.json"), name=str(source))
     raise ValueError(
         f"{str(source)!r} is neither an existing config directory/file, a .gguf file, 'smollm2', a "
         f"models_zoo name nor a hub id in the local Hugging Face cache; models_zoo names: {sorted(ZOO)}"
