@@ -280,7 +280,7 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     hinted far off (4,096 for every part), a step ran 1.3-1.6x slower; hinted near this length, as
     fast at any length (``benchmarks/sum_chunk_compiles.py``). The hint is this length rounded up to a
     power of two: Inductor's on-disk cache keys on it, so processes whose first steps differ by a few
-    tokens find one another's code (10 s cold, 4 s from that cache)."""
+    tokens find one another's code (docs/design.md: 4 s from that cache, 10-18 s cold)."""
     if t is None:
         return None
     alias = t.as_strided(t.shape, t.stride(), t.storage_offset())  # as view() would not: any strides
