@@ -265,7 +265,7 @@ class PackedKV(torch.Tensor):
         if self.spec.waits(held + new.shape[2]):
             stored = ops.rotate(new) if self.spec.rotate else new
             stored = reference.with_pads_filled(stored, filled) if held == 0 else stored
-            residual = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
+            residual = _cat(self.residual, stored.to(self.dtype))
             parts = self._parts()
             parts["filled_pads"] = filled
             if self.spec.gathers_queries:
@@ -477,7 +477,27 @@ def _leaving(n_pending: int, spec: QuantSpec):
 
 
 def _cat(a, b):
+    """``torch.cat([a, b], dim=2)``; only its shape where :func:`_shapes_only`."""
+    if _shapes_only(a, b):
+        return _empty_rows(a, a.shape[2] + b.shape[2])
     return torch.cat([a, b], dim=2)
+
+
+def _shapes_only(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` are fake and no trace records what is done with them: Dynamo working out
+    a graph's shapes. A graph that kv4 rewrote then runs kv4's own ops (``graph_ops``) on real
+    caches, so an append there needs its outputs' shapes alone, as a custom op's fake implementation
+    gives them. The cats and symbolic slices that compute them cost the fake tensors' dispatch cache
+    a symbolic check per output: two fifths of a decode graph's trace time (docs/design.md)."""
+    return (all(type(t) is FakeTensor for t in tensors)
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None)  # fmt: skip
+
+
+def _empty_rows(like: torch.Tensor, rows) -> torch.Tensor:
+    """An uninitialised ``like`` with ``rows`` rows along dimension 2, laid out as ``torch.cat``'s
+    output (``empty_strided`` of a symbolic length would guard on whether it is 0)."""
+    return torch.empty((*like.shape[:2], rows, *like.shape[3:]), dtype=like.dtype, device=like.device)
 
 
 # Spare rows a growable storage gets: a fraction of its length (amortized O(1) copies per
@@ -543,9 +563,17 @@ def _grow(past: torch.Tensor, new: torch.Tensor, end: int) -> torch.Tensor:
         _release_freed_heap(past.device, nbytes)
         storage.resize_(nbytes)
     shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
-    out = past.as_strided(shape, past.stride(), past.storage_offset())
+    out = _storage_view(past, shape, past.stride(), past.storage_offset())
     out[:, :, past.shape[2] :].copy_(new)
     return out
+
+
+def _storage_view(base: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:
+    """A tensor over ``base``'s storage with this geometry that is not a view of ``base``. Dynamo
+    fakes a view taken in as a graph input through its base (a symbolic ``as_strided`` of the whole
+    storage, checked against it), which cost a SmolLM2 decode graph's trace a fifth of its time
+    (docs/design.md); a tensor that is no view is faked from its own sizes."""
+    return base.new_empty(0).set_(base.untyped_storage(), offset, shape, stride)
 
 
 @functools.cache
@@ -583,7 +611,8 @@ def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     shape = (_capacity(length), *past.shape[:2], *past.shape[3:])
     _release_freed_heap(past.device, math.prod(shape) * past.element_size())
     rows = past.new_empty(shape)
-    out = rows.movedim(0, 2)[:, :, :length]
+    view = rows.movedim(0, 2)[:, :, :length]
+    out = _storage_view(rows, view.shape, view.stride(), 0)
     out[:, :, : past.shape[2]].copy_(past)
     out[:, :, past.shape[2] :].copy_(new)
     return out
@@ -606,12 +635,16 @@ def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
     """The newest ``keep`` rows (dimension 2) of ``old`` followed by ``new``, sequence-major (as codes
     are): strides do not depend on the length, and slicing off the oldest rows keeps it dense, so
     decode graphs need no guard on either."""
+    if _shapes_only(old, new):
+        return _empty_rows(old, torch.sym_min(old.shape[2] + new.shape[2], keep))
     old, new = old.movedim(2, 0), new.movedim(2, 0)
     if type(old) is torch.Tensor and type(new) is torch.Tensor:
         # Sliced before the copy, so the rows start a storage: a graph taking them would specialise
         # a storage offset of 0 (after a step that slides no row) and compile again.
         drop = max(old.shape[0] + new.shape[0] - keep, 0)
-        return torch.cat([old[drop:], new[max(drop - old.shape[0], 0) :]]).movedim(0, 2)
+        rows = torch.cat([old[drop:], new[max(drop - old.shape[0], 0) :]])
+        view = rows.movedim(0, 2)
+        return _storage_view(rows, view.shape, view.stride(), 0)
     # Traced: one slice of symbolic bounds rather than two (each costs the trace symbolic reasoning).
     rows = torch.cat([old, new])
     return rows[torch.sym_max(rows.shape[0] - keep, 0) :].movedim(0, 2)

@@ -329,6 +329,44 @@ def test_compiled_decode_appends_in_place():
     assert len(storages) == 1  # every decode step wrote into the prefill's storage
 
 
+def test_grown_parts_are_no_views_so_a_graph_fakes_them_from_their_own_sizes(spec):
+    # Dynamo fakes a view taken in as a graph input through its base (the whole storage), which
+    # cost a decode graph's trace a fifth of its time; the parts still share the growing storage.
+    x, _ = _packed(spec, S=700)
+    p = PackedKV.from_float(x[:, :, :300], spec)
+    step = p.append(x[:, :, 300:301])
+    grown = step.append(x[:, :, 301:700])  # past the spare rows: regrown
+    stale = step.append(x[:, :, 301:302])  # no longer the newest view: a copy
+    for cache in (p, step, grown, stale):
+        parts = [cache.codes, cache.scales, *cache._fine_planes()]
+        assert all(part._base is None for part in parts), [part._base is None for part in parts]
+    assert _storage(step.codes) == _storage(p.codes) != _storage(stale.codes)
+
+
+SHAPE_SPECS = [*SPECS, KVConfig().k]  # the default V is SPECS[5]
+
+
+@pytest.mark.parametrize("spec", SHAPE_SPECS, ids=lambda s: s.tag)
+@pytest.mark.parametrize("prompt", [3, 10, 63, 64, 127, 135, 600])
+def test_an_append_on_fake_caches_gives_every_part_the_shape_it_has_for_real(spec, prompt):
+    # A graph's shapes come from appends on fake caches, which compute shapes alone
+    # (packed._shapes_only); the decode steps that then run must match them part for part.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    x, q = torch.randn(2, 2, prompt + 5, 64), torch.randn(2, 4, prompt + 5, 64)
+    for tokens in (1, 5):
+        real = PackedKV.from_float(x[:, :, :prompt], spec, q[:, :, :prompt])
+        mode = FakeTensorMode()
+        fake, new, query = (mode.from_tensor(t) for t in (real, x[:, :, prompt:].clone(), q[:, :, prompt:].clone()))
+        with mode:
+            fake = fake.append(new[:, :, :tokens], query[:, :, :tokens])
+        real = real.append(x[:, :, prompt : prompt + tokens], q[:, :, prompt : prompt + tokens])
+        assert fake.shape == real.shape
+        for name in real.__tensor_flatten__()[0]:
+            assert getattr(fake, name).shape == getattr(real, name).shape, (name, tokens)
+
+
 def test_copy_between_packed_caches_copies_the_stored_form(spec):
     x, p = _packed(spec)
     target = PackedKV.from_float(torch.zeros_like(x), spec)
