@@ -37,6 +37,9 @@ def main() -> None:
     print(f"{args.model} ({model.config.model_type}, sliding window {window}): {ids.shape[1]} prompt tokens, "
           f"{out.shape[1] - ids.shape[1]} generated in {seconds:.1f} s with compiling, "
           f"{len(backend.graphs)} graphs compiled, {args.threads} thread(s)")  # fmt: skip
+    # Every frame Dynamo compiled: the model's graphs, then the decode steps' own (kvpass.cpu_steps).
+    frames = torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", [])
+    print(f"Dynamo compiles, in order (s): {' '.join(f'{t:.1f}' for t in frames)}; {sum(frames):.1f} s in all")
 
 
 if __name__ == "__main__":

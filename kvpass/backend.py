@@ -30,11 +30,11 @@ class CompiledGraph:
         return debug.graph_diff(self.before, self.after, self.name)
 
 
-# A kv4 cache's inner tensors take more shapes than an fp cache's: the second code plane's length
-# passes through Dynamo's 0 and 1 specialisations at steps that depend on the prompt, and prompts of
-# under 6, 6-63 and 64+ tokens keep different extras. Twelve varied generate() calls on a Llama
-# compiled 34 graphs, against 9 with fp caches (docs/design.md); at Dynamo's default limit of 8 the
-# third call stopped compiling and every later step ran eagerly on dequantized caches.
+# A kv4 cache's inner tensors take more shapes than an fp cache's: prompts of under 6, 6-63 and 64+
+# tokens keep different extras, and K waits unquantized for 64 tokens. Twelve varied generate() calls
+# on a Llama compiled 34 graphs (20 since second planes' lengths are unbacked), against 9-10 with fp
+# caches (docs/design.md); at Dynamo's default limit of 8 the third call stopped compiling and every
+# later step ran eagerly on dequantized caches.
 RECOMPILE_LIMIT = 64
 
 

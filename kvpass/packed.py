@@ -488,7 +488,7 @@ def _shapes_only(*tensors: torch.Tensor) -> bool:
     a graph's shapes. A graph that kv4 rewrote then runs kv4's own ops (``graph_ops``) on real
     caches, so an append there needs its outputs' shapes alone, as a custom op's fake implementation
     gives them. The cats and symbolic slices that compute them cost the fake tensors' dispatch cache
-    a symbolic check per output: two fifths of a decode graph's trace time (docs/design.md)."""
+    a symbolic check per output: about a third of a SmolLM2 decode graph's trace (docs/design.md)."""
     return (all(type(t) is FakeTensor for t in tensors)
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None)  # fmt: skip
@@ -644,7 +644,11 @@ def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
         drop = max(old.shape[0] + new.shape[0] - keep, 0)
         rows = torch.cat([old[drop:], new[max(drop - old.shape[0], 0) :]])
         view = rows.movedim(0, 2)
-        return _storage_view(rows, view.shape, view.stride(), 0)
+        # A batch of one: a 1-row plane's batch stride equals its row stride, which Dynamo reads as
+        # rows x row stride and guards on (a graph more at 2 rows, the model's and the attention's).
+        # A dimension of size 1 takes any stride; 0 reads the same at every length.
+        stride = view.stride() if view.shape[0] > 1 else (0, *view.stride()[1:])
+        return _storage_view(rows, view.shape, stride, 0)
     # Traced: one slice of symbolic bounds rather than two (each costs the trace symbolic reasoning).
     rows = torch.cat([old, new])
     return rows[torch.sym_max(rows.shape[0] - keep, 0) :].movedim(0, 2)
@@ -654,16 +658,23 @@ def _marked_growing(t: PackedKV) -> PackedKV:
     """``t``, with the lengths later appends change marked dynamic for Dynamo where ``t`` holds real
     tensors: the next graph to take the cache (a model's first decode step) then compiles them as
     symbols, where Dynamo would first specialise on them and compile again once one changed. Lengths
-    of 0 and 1 stay specialised (Dynamo's rule); parts that hold a fixed count (sinks, offset), and
-    planes at the length every longer cache's has, stay constants: each symbol costs the trace."""
+    of 0 and 1 stay specialised (Dynamo's rule) but a second plane's, which is unbacked; parts that
+    hold a fixed count (sinks, offset), and planes at the length every longer cache's has, stay
+    constants: each symbol costs the trace."""
     if type(t.codes) is not torch.Tensor:
         return t
     planes = t._fine_planes()
     if planes and planes[0].shape[2] == reference.refined_tokens(t.spec, 2**62, t.shape[-1], t.n_head, t.offset):
         planes = ()
-    for part in (t.codes, t.scales, t.residual, *planes):
+    for part in (t.codes, t.scales, t.residual):
         if part.shape[2] > 1:
             torch._dynamo.maybe_mark_dynamic(part, 2)
+    # A plane's length passes through 0 and 1 at steps that depend on the prompt (K's after a deferred
+    # prefix: 0 up to 127 tokens, 1 up to 135), each a graph of its own as a backed length; as an
+    # unbacked one it is a guard nowhere, and one graph serves every length. The trace of an append
+    # computes shapes alone (_shapes_only), which need no decision on it.
+    for part in planes:
+        torch._dynamo.decorators.mark_unbacked(part, 2)
     # The cache's own length, marked as maybe_mark_dynamic marks a plain tensor: on a subclass it
     # also marks every inner tensor of its rank, sinks and final-length planes too, whose symbols
     # made a first decode graph's trace a quarter slower (benchmarks/decode_compiles.py).

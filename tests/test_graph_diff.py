@@ -46,17 +46,17 @@ class GraphDiffTest(expecttest.TestCase):
             """\
 --- graph_1 (fp16)
 +++ graph_1 (kv4)
-@@ -49,2 +49,2 @@
+@@ -57,2 +57,2 @@
 -    keys = torch.cat([cache_layers_0_keys, k_embed], dim = -2)
 -    values = torch.cat([cache_layers_0_values, value_states], dim = -2)
 +    kv4_append = kvpass_graph_ops_kv4_append(cache_layers_0_keys, k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', query = q_embed)
 +    kv4_append_1 = kvpass_graph_ops_kv4_append(cache_layers_0_values, value_states, spec = 'int4:token:64:rot:mse:r64')
-@@ -53,2 +53,2 @@
+@@ -61,2 +61,2 @@
 -    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = False, enable_gqa = True)
 -    attn_output_1 = attn_output.reshape(1, -1, 1, 64)
 +    kv4_sdpa = kvpass_graph_ops_kv4_sdpa(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', v_spec = 'int4:token:64:rot:mse:r64')
 +    attn_output_1 = kv4_sdpa.reshape(1, -1, 1, 64)
-@@ -85 +85 @@
+@@ -93 +93 @@
 -    return (values, keys, logits)
 +    return (kv4_append_1, kv4_append, logits)
 """,
