@@ -634,7 +634,7 @@ def _empty_like(x: torch.Tensor, spec: QuantSpec) -> PackedKV:
 def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
     """The newest ``keep`` rows (dimension 2) of ``old`` followed by ``new``, sequence-major (as codes
     are): strides do not depend on the length, and slicing off the oldest rows keeps it dense, so
-    decode graphs need no guard on either."""
+    decode graphs need no guard on either. Only its shape where :func:`_shapes_only`."""
     if _shapes_only(old, new):
         return _empty_rows(old, torch.sym_min(old.shape[2] + new.shape[2], keep))
     old, new = old.movedim(2, 0), new.movedim(2, 0)
@@ -649,7 +649,7 @@ def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
         # A dimension of size 1 takes any stride; 0 reads the same at every length.
         stride = view.stride() if view.shape[0] > 1 else (0, *view.stride()[1:])
         return _storage_view(rows, view.shape, stride, 0)
-    # Traced: one slice of symbolic bounds rather than two (each costs the trace symbolic reasoning).
+    # Traced with values (AOT's functional tensors): one slice of symbolic bounds rather than two.
     rows = torch.cat([old, new])
     return rows[torch.sym_max(rows.shape[0] - keep, 0) :].movedim(0, 2)
 
