@@ -40,6 +40,8 @@ def main() -> None:
     # Every frame Dynamo compiled: the model's graphs, then the decode steps' own (kvpass.cpu_steps).
     frames = torch._dynamo.utils.compilation_time_metrics.get("_compile.compile_inner", [])
     print(f"Dynamo compiles, in order (s): {' '.join(f'{t:.1f}' for t in frames)}; {sum(frames):.1f} s in all")
+    # For comparing two trees' runs: a change to compiling should leave these as they were.
+    print(f"generated ids: {out[0, ids.shape[1]:].tolist()}")
 
 
 if __name__ == "__main__":

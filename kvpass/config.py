@@ -390,7 +390,8 @@ class QuantSpec:
         without payment)."""
         # sym_min / sym_max keep symbolic lengths free of guards.
         tokens = torch.sym_min(self.refine, stored // REFINE_SHARE)
-        if not self.sinks or not (n_head or has_offset):
+        # The offset first: after a sliding window's eviction the sinks' count is unbacked (no guard).
+        if not self.sinks or not (has_offset or n_head):
             return tokens
         return torch.sym_max(tokens - self.plane_cost(n_head, has_offset, head_dim), 0)
 

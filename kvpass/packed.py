@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops, reference
@@ -325,8 +326,12 @@ class PackedKV(torch.Tensor):
         parts = dict(fine=fine, head=head, offset=offset, query_scales=query_scales, query_energy=self._no_energy,
                      filled_pads=filled_pads)  # fmt: skip
         if not all(type(t) is torch.Tensor for t in (self.codes, codes)):
-            # Traced (fake or functional tensors): a graph states values, not storage reuse.
-            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec, **parts)
+            # Traced (fake or functional tensors): a graph states values, not storage reuse. The length
+            # grows from this cache's own (_outer_shape).
+            sinks_taken = 0 if head is self.head else _head_len(head) - self.n_head
+            grown = sinks_taken + codes.shape[2] + residual.shape[2] - self.residual.shape[2]
+            return PackedKV(_cat(self.codes, codes), _cat(self.scales, scales), residual, self.spec,
+                            _outer_shape(self, self.shape[2] + grown), **parts)  # fmt: skip
         rows = self._rows
         spans = (_row_span(self.codes), _row_span(self.scales)) if rows is not None else (None, None)
         if rows is not None and rows.ends_at(*spans):
@@ -403,7 +408,8 @@ class PackedKV(torch.Tensor):
             # A crop outside graphs (DynamicCache.crop) must not stay an autograd view of the
             # longer cache: Dynamo would rebuild it from that base by replaying the slice, whose
             # length is a constant, and compile a graph per length (assisted decoding).
-            return PackedKV(result.codes, result.scales, result.residual, result.spec, rows=result._rows, **result._parts())
+            return _marked_growing(PackedKV(result.codes, result.scales, result.residual, result.spec, result.shape,
+                                            rows=result._rows, **result._parts()))  # fmt: skip
         return result
 
     def __repr__(self):
@@ -687,8 +693,17 @@ def _map_inner(t: PackedKV, fn) -> PackedKV:
     fine = tuple(fn(x) for x in t._fine_planes()) or None
     head, offset, query_scales, query_energy = (None if x is None else fn(x)
                                                 for x in (t.head, t.offset, t.query_scales, t.query_energy))  # fmt: skip
-    return PackedKV(fn(t.codes), fn(t.scales), fn(t.residual), t.spec, fine=fine, head=head, offset=offset,
-                    query_scales=query_scales, query_energy=query_energy, filled_pads=fn(t.filled_pads))  # fmt: skip
+    codes = fn(t.codes)
+    return PackedKV(codes, fn(t.scales), fn(t.residual), t.spec, (codes.shape[0], *t.shape[1:]), fine=fine, head=head,
+                    offset=offset, query_scales=query_scales, query_energy=query_energy,
+                    filled_pads=fn(t.filled_pads))  # fmt: skip
+
+
+def _outer_shape(t: PackedKV, length) -> tuple:
+    """``t``'s shape holding ``length`` tokens. Given rather than summed from the parts, so a graph reads
+    a cache's length as a symbol of its own even where the sinks' count is unbacked (_evicted_head):
+    SDPA's checks of it against the mask would be guards on that count, which a trace cannot make."""
+    return (*t.shape[:2], length, t.shape[3])
 
 
 def _head_len(head: torch.Tensor | None) -> int:
@@ -710,7 +725,9 @@ def _fine_between(t: PackedKV, start, stop, head: torch.Tensor | None):
     hi = torch.sym_max(stop - fine_start, 0)
     kept = reference.refined_tokens(t.spec, _head_len(head) + stop - start, t.shape[-1], _head_len(head), t.offset)
     lo = torch.sym_max(torch.sym_max(start - fine_start, 0), hi - kept)
-    return t.fine_codes[:, :, lo:hi], t.fine_scales[:, :, lo:hi]
+    # Copied to start a storage, as an append's are: a view's storage offset would be a symbol of the
+    # next graph, and duck sizing guards on it equalling any other of the same value (V's codes').
+    return _own_rows(t.fine_codes, lo, hi), _own_rows(t.fine_scales, lo, hi)
 
 
 def _seq_dim(dim: int, ndim: int = 4) -> bool:
@@ -817,12 +834,15 @@ def _slice_impl(func, args, kwargs):
     if not _seq_dim(dim):
         return NotImplemented
     start, end = (_slice_bound(bound, t.shape[2], default) for bound, default in ((start, 0), (end, t.shape[2])))
-    if start == 0 and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
+    # Unknown where the length holds an unbacked count (sinks after an eviction): the range below
+    # gives a crop's shapes as well.
+    at_front = guard_or_false(start == 0)
+    if at_front and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
         return NotImplemented  # the fallback crops the tokens as read
-    if start == 0:
-        return _crop(t, end)
+    if at_front:
+        return _marked_growing(_crop(t, end))
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
-        return _token_range(t, start, end)
+        return _marked_growing(_token_range(t, start, end))
     return NotImplemented
 
 
@@ -845,17 +865,51 @@ def _slice_bound(bound, length, default):
     return torch.sym_min(torch.sym_max(bound, 0), length)
 
 
+def _own_rows(x: torch.Tensor, lo, hi) -> torch.Tensor:
+    """Rows ``[lo, hi)`` (dimension 2) of ``x`` in a storage of their own, sequence-major (as
+    :func:`_newest_rows` lays them out); only their shape where :func:`_shapes_only`."""
+    if _shapes_only(x):
+        return _empty_rows(x, hi - lo)
+    return _newest_rows(x[:, :, lo:hi], x[:, :, :0], hi - lo)
+
+
+def _rows_between(x: torch.Tensor, lo, hi) -> torch.Tensor:
+    """``x[:, :, lo:hi]``; only its shape where :func:`_shapes_only`."""
+    return _empty_rows(x, hi - lo) if _shapes_only(x) else x[:, :, lo:hi]
+
+
+def _evicted_head(head: torch.Tensor, start, end, unbacked: bool) -> torch.Tensor:
+    """The fp sinks of ``head`` among tokens ``[start, end)``. A sliding window evicts them one a step
+    (4, 3, 2, 1, 0 left), and as a backed length each count was a graph of its own (Gemma 3: 16-18 s
+    each), so the sinks an eviction leaves are ``unbacked`` where nothing branches on their count: one
+    graph serves every count. They are copied sequence-major, whose strides do not depend on the count:
+    a view's offset, or contiguous strides (which torch computes for 0 rows as for 1), would each be a
+    guard."""
+    n = head.shape[2]
+    lo, hi = torch.sym_min(start, n), torch.sym_min(end, n)
+    if not start:  # a crop
+        return _rows_between(head, 0, hi)
+    kept = _own_rows(head, lo, torch.sym_max(hi, lo))
+    if unbacked and type(kept) is torch.Tensor:
+        torch._dynamo.decorators.mark_unbacked(kept, 2)
+    return kept
+
+
 def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     """Tokens ``[start, end)`` of a per-token cache, ``[head | codes | residual]`` each sliced
     where the range meets it; the offset stays. A sliding window's eviction drops the sinks first, and
     with them a padded row's copies (:func:`kvpass.reference.evicted_fill`)."""
     n_head, n_quant = t.n_head, t.codes.shape[2]
-    lo, hi = min(max(start - n_head, 0), n_quant), min(max(end - n_head, 0), n_quant)
+    lo, hi = (torch.sym_min(torch.sym_max(bound - n_head, 0), n_quant) for bound in (start, end))
     behind = n_head + n_quant
-    head = None if t.head is None else t.head[:, :, start:end]
+    # A refined spec's plane cost reads the count but with an offset (QuantSpec.plane_cost).
+    unbacked = t.fine_codes is None or reference.fixed_or_none(t.offset) is not None
+    head = None if t.head is None else _evicted_head(t.head, start, end, unbacked)
     return PackedKV(
-        t.codes[:, :, lo:hi], t.scales[:, :, lo:hi], t.residual[:, :, max(start - behind, 0) : max(end - behind, 0)],
-        t.spec, rows=t._rows, fine=_fine_between(t, lo, hi, head), head=head, offset=t.offset,
+        _rows_between(t.codes, lo, hi), _rows_between(t.scales, lo, hi),
+        _rows_between(t.residual, torch.sym_max(start - behind, 0), torch.sym_max(end - behind, 0)),
+        t.spec, _outer_shape(t, torch.sym_max(end - start, 0)), rows=t._rows, fine=_fine_between(t, lo, hi, head),
+        head=head, offset=t.offset,
         query_scales=t.query_scales, query_energy=t.query_energy,
         filled_pads=reference.evicted_fill(t.filled_pads, start),
     )  # fmt: skip
@@ -870,7 +924,7 @@ def _crop(t: PackedKV, length: int) -> PackedKV:
     before_residual = t.n_head + t.codes.shape[2]
     if length >= before_residual:
         residual = t.residual[:, :, : length - before_residual]
-        return PackedKV(t.codes, t.scales, residual, t.spec, rows=t._rows, **t._parts())
+        return PackedKV(t.codes, t.scales, residual, t.spec, _outer_shape(t, length), rows=t._rows, **t._parts())
     if t.spec.scheme == "token":
         return _token_range(t, 0, length)
     # A per-channel group cut in two: its surviving tokens go back to the residual, with
@@ -898,7 +952,7 @@ def _to_copy_impl(func, args, kwargs):
     # The logical dtype is the residual's (and sets the sinks'); codes, scales and the offset keep theirs.
     parts = moved._parts()
     parts["head"] = None if moved.head is None else moved.head.to(reference.sink_dtype(dtype))
-    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, **parts)
+    return PackedKV(moved.codes, moved.scales, moved.residual.to(dtype), t.spec, t.shape, **parts)
 
 
 @_implements(aten.detach.default, aten.clone.default, aten.alias.default)

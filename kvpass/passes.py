@@ -498,8 +498,20 @@ def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
 def _erase_if_dead(graph: fx.Graph, nodes):
     # once each, at its last mention: K and V chains may share their root end (shared-KV MQA)
     for node in reversed(dict.fromkeys(reversed(nodes))):
-        if node.graph is graph and not node.users:
-            graph.erase_node(node)
+        if node.graph is graph:
+            _erase_unread_sizes(graph, node)
+            if not node.users:
+                graph.erase_node(node)
+
+
+def _erase_unread_sizes(graph: fx.Graph, node: fx.Node) -> None:
+    # A chain's view of a symbolic length takes it from the cache (``kv.size()[2]``, Dynamo's reads of a
+    # dynamic shape); with the view rewritten, such reads would keep the fp cache alive.
+    for size in [u for u in node.users if u.op == "call_method" and u.target == "size"]:
+        for read in [u for u in size.users if u.target is operator.getitem and not u.users]:
+            graph.erase_node(read)
+        if not size.users:
+            graph.erase_node(size)
 
 
 # --- the two forms of attention -----------------------------------------------------------

@@ -367,6 +367,27 @@ def test_an_append_on_fake_caches_gives_every_part_the_shape_it_has_for_real(spe
             assert getattr(fake, name).shape == getattr(real, name).shape, (name, tokens)
 
 
+@pytest.mark.parametrize("spec", [s for s in SHAPE_SPECS if s.scheme == "token"], ids=lambda s: s.tag)
+@pytest.mark.parametrize("evicted", [1, 3, 4, 5, 70, 140])
+def test_an_eviction_on_fake_caches_gives_every_part_the_shape_it_has_for_real(spec, evicted):
+    # A sliding window's eviction in a graph's trace computes shapes alone too, sinks, planes and
+    # tail each cut where the range meets them (per-channel groups are not evicted natively).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    x, q = torch.randn(2, 2, 140, 64), torch.randn(2, 4, 140, 64)
+    real = PackedKV.from_float(x[:, :, :130], spec, q[:, :, :130]).append(x[:, :, 130:], q[:, :, 130:])
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(real)
+    with mode:
+        fake = fake[:, :, evicted:]
+    real = real[:, :, evicted:]
+    assert fake.shape == real.shape == (2, 2, 140 - evicted, 64)
+    assert real.n_head + real.codes.shape[2] + real.residual.shape[2] == 140 - evicted
+    for name in real.__tensor_flatten__()[0]:
+        assert getattr(fake, name).shape == getattr(real, name).shape, name
+
+
 def test_copy_between_packed_caches_copies_the_stored_form(spec):
     x, p = _packed(spec)
     target = PackedKV.from_float(torch.zeros_like(x), spec)
