@@ -869,13 +869,30 @@ def _own_rows(x: torch.Tensor, lo, hi) -> torch.Tensor:
     """Rows ``[lo, hi)`` (dimension 2) of ``x`` in a storage of their own, sequence-major (as
     :func:`_newest_rows` lays them out); only their shape where :func:`_shapes_only`."""
     if _shapes_only(x):
-        return _empty_rows(x, hi - lo)
+        return _empty_sequence_major(x, _row_count(lo, hi))
     return _newest_rows(x[:, :, lo:hi], x[:, :, :0], hi - lo)
 
 
 def _rows_between(x: torch.Tensor, lo, hi) -> torch.Tensor:
     """``x[:, :, lo:hi]``; only its shape where :func:`_shapes_only`."""
-    return _empty_rows(x, hi - lo) if _shapes_only(x) else x[:, :, lo:hi]
+    return _empty_sequence_major(x, _row_count(lo, hi)) if _shapes_only(x) else x[:, :, lo:hi]
+
+
+def _empty_sequence_major(like: torch.Tensor, rows) -> torch.Tensor:
+    """An uninitialised ``like`` with ``rows`` rows along dimension 2, sequence-major as a cache's parts
+    are: its strides do not involve ``rows``, which spares the fake tensors' dispatch cache symbolic
+    checks of them (nested min/max bounds of an eviction: most of its trace, docs/design.md)."""
+    B, H, _, *rest = like.shape
+    row = math.prod(rest)
+    inner = (math.prod(rest[i + 1 :]) for i in range(len(rest)))
+    return torch.empty_strided((B, H, rows, *rest), (H * row, row, B * H * row, *inner), dtype=like.dtype,
+                               device=like.device)  # fmt: skip
+
+
+def _row_count(lo, hi):
+    # hi >= lo always; stated as a max, a shape env sees the count is not negative without proving it
+    # over nested min/max bounds (sympy's proof was a third of an eviction graph's trace).
+    return torch.sym_max(hi - lo, 0)
 
 
 def _evicted_head(head: torch.Tensor, start, end, unbacked: bool) -> torch.Tensor:
