@@ -320,8 +320,10 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
     fine = map(_rows_outermost, fine)  # planes grow from 0 rows in a short prompt's decode
     stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
     # The sinks a sliding window's eviction leaves carry its unbacked mark (packed._evicted_head), meant
-    # for the model's graph; here their count is a constant, as everywhere else.
-    rest = [None if t is None else t.as_strided(t.shape, t.stride(), t.storage_offset()) for t in rest]
+    # for the model's graph; here their count is a constant, as everywhere else: aliases drop the mark.
+    k_head, v_head = (None if t is None else t.as_strided(t.shape, t.stride(), t.storage_offset())
+                      for t in (k_head, v_head))  # fmt: skip
+    rest = (k_head, k_offset, v_head, v_offset)
     attn_mask = _unbacked(attn_mask, -1)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)

@@ -10,7 +10,6 @@ import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops, reference
@@ -834,12 +833,9 @@ def _slice_impl(func, args, kwargs):
     if not _seq_dim(dim):
         return NotImplemented
     start, end = (_slice_bound(bound, t.shape[2], default) for bound, default in ((start, 0), (end, t.shape[2])))
-    # Unknown where the length holds an unbacked count (sinks after an eviction): the range below
-    # gives a crop's shapes as well.
-    at_front = guard_or_false(start == 0)
-    if at_front and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
+    if start == 0 and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
         return NotImplemented  # the fallback crops the tokens as read
-    if at_front:
+    if start == 0:
         return _marked_growing(_crop(t, end))
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
         return _marked_growing(_token_range(t, start, end))
@@ -919,7 +915,8 @@ def _token_range(t: PackedKV, start: int, end: int) -> PackedKV:
     n_head, n_quant = t.n_head, t.codes.shape[2]
     lo, hi = (torch.sym_min(torch.sym_max(bound - n_head, 0), n_quant) for bound in (start, end))
     behind = n_head + n_quant
-    # A refined spec's plane cost reads the count but with an offset (QuantSpec.plane_cost).
+    # Unbacked where nothing reads the count: a refined spec's plane cost does, without an offset
+    # (QuantSpec.plane_cost).
     unbacked = t.fine_codes is None or reference.fixed_or_none(t.offset) is not None
     head = None if t.head is None else _evicted_head(t.head, start, end, unbacked)
     return PackedKV(
