@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import types
 import warnings
 
@@ -263,9 +262,7 @@ def _rows_outermost(t: torch.Tensor | None) -> torch.Tensor | None:
     1 rows) made a call 3% slower (``benchmarks/sum_chunk_compiles.py``), for no graph saved."""
     if t is None or t.shape[2] > 1:
         return t
-    B, H, _, *rest = t.shape
-    row = math.prod(rest)
-    strides = (H * row, row, B * H * row, *(math.prod(rest[i + 1 :]) for i in range(len(rest))))
+    strides = reference.sequence_major_strides(t.shape)
     if (t.stride(0), t.stride(1), *t.stride()[3:]) != (strides[0], strides[1], *strides[3:]):
         return t
     return t.as_strided(t.shape, strides, t.storage_offset())

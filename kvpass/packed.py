@@ -835,10 +835,11 @@ def _slice_impl(func, args, kwargs):
     start, end = (_slice_bound(bound, t.shape[2], default) for bound, default in ((start, 0), (end, t.shape[2])))
     if start == 0 and t.filled_pads.shape[1] and not _keeps_filled_slots(t, end):
         return NotImplemented  # the fallback crops the tokens as read
+    # Marked growing by __getitem__, which rebuilds the result (HF slices by indexing).
     if start == 0:
-        return _marked_growing(_crop(t, end))
+        return _crop(t, end)
     if t.spec.scheme == "token":  # sliding-window eviction: per-token groups are independent
-        return _marked_growing(_token_range(t, start, end))
+        return _token_range(t, start, end)
     return NotImplemented
 
 
@@ -878,11 +879,9 @@ def _empty_sequence_major(like: torch.Tensor, rows) -> torch.Tensor:
     """An uninitialised ``like`` with ``rows`` rows along dimension 2, sequence-major as a cache's parts
     are: its strides do not involve ``rows``, which spares the fake tensors' dispatch cache symbolic
     checks of them (nested min/max bounds of an eviction: most of its trace, docs/design.md)."""
-    B, H, _, *rest = like.shape
-    row = math.prod(rest)
-    inner = (math.prod(rest[i + 1 :]) for i in range(len(rest)))
-    return torch.empty_strided((B, H, rows, *rest), (H * row, row, B * H * row, *inner), dtype=like.dtype,
-                               device=like.device)  # fmt: skip
+    shape = (*like.shape[:2], rows, *like.shape[3:])
+    strides = reference.sequence_major_strides(like.shape)
+    return torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device)
 
 
 def _row_count(lo, hi):
@@ -902,7 +901,7 @@ def _evicted_head(head: torch.Tensor, start, end, unbacked: bool) -> torch.Tenso
     lo, hi = torch.sym_min(start, n), torch.sym_min(end, n)
     if not start:  # a crop
         return _rows_between(head, 0, hi)
-    kept = _own_rows(head, lo, torch.sym_max(hi, lo))
+    kept = _own_rows(head, lo, hi)
     if unbacked and type(kept) is torch.Tensor:
         torch._dynamo.decorators.mark_unbacked(kept, 2)
     return kept

@@ -504,6 +504,14 @@ def _field_order(D: int, bits: int, run: int, device: torch.device) -> torch.Ten
     return torch.arange(D, device=device).view(-1, run, per_byte).transpose(1, 2).flatten()
 
 
+def sequence_major_strides(shape) -> tuple[int, ...]:
+    """Strides of a cache part ``[B, H, S, ...]`` laid out tokens outermost, as a growing cache stores
+    its parts: none depends on ``S``."""
+    B, H, _, *rest = shape
+    row = math.prod(rest)
+    return (H * row, row, B * H * row, *(math.prod(rest[i + 1 :]) for i in range(len(rest))))
+
+
 def field_order(D: int, spec: QuantSpec, device=None) -> torch.Tensor:
     """Head-dim indices in the order :func:`dequantize_field_major` returns: within each run of
     ``run`` bytes (:func:`_field_run`), field 0 of every byte, then field 1, and so on."""
