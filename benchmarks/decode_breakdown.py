@@ -6,8 +6,9 @@ both compiled unless ``--eager-steps``) and the eager model for reference. Then 
 the first layer's cache alone: back to back, and each after reading as many bytes as the model's
 weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
 calls' many small ops would otherwise find warm. Last, a warm V append taken apart by the layers of
-its call (the append, the ``kv4::`` op it calls, the op's CPU body, the compiled quantization alone,
-and the append with the op's outputs given): what each layer adds to a call whose work is one token.
+its call (the append; the ``kv4::`` op through the dispatcher, and called as the append calls it,
+``ops.call``, which skips the dispatcher; the op's CPU body; the compiled quantization alone; and
+the append with the op's outputs given): what each layer adds to a call whose work is one token.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
 """
@@ -109,7 +110,8 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
 
     layers = {
         "PackedKV.append": append,
-        "kv4::quantize_refined (the op)": lambda: ops.quantize_refined(new, *ops.codec_args(spec), spec.refine),
+        "kv4::quantize_refined, dispatched": lambda: ops.quantize_refined(new, *ops.codec_args(spec), spec.refine),
+        "ops.call of it (what append calls)": lambda: ops.call(ops.quantize_refined, new, *ops.codec_args(spec), spec.refine),
         "cpu_steps.encode_refined (its body)": lambda: encode_refined(new, spec),
     }
     compiled = cpu_steps._compiled.get((reference.encode_refined, spec))

@@ -71,8 +71,7 @@ def _quantizer_for(spec: QuantSpec):
 # --- quantize --------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kv4::quantize", mutates_args=())
-def quantize(
+def _quantize_on_cpu(
     x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
     offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -81,6 +80,9 @@ def quantize(
     append's ``rounding`` (:func:`kvpass.reference.rounding_coefficients`)."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
     return cpu_steps.encode(x.contiguous(), spec, offset, rounding)
+
+
+quantize = torch.library.custom_op("kv4::quantize", _quantize_on_cpu, mutates_args=())
 
 
 def _stored_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool):
@@ -113,8 +115,7 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, 
 # --- quantize with a second code plane ----------------------------------------------------
 
 
-@torch.library.custom_op("kv4::quantize_refined", mutates_args=())
-def quantize_refined(
+def _quantize_refined_on_cpu(
     x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool, span_heads: bool, clip: bool,
     refine: int,
     offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None,
@@ -124,6 +125,9 @@ def quantize_refined(
     One op, not four: a decode step appends one token, and each op call costs more than its work."""
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
     return cpu_steps.encode_refined(x.contiguous(), spec, offset, rounding)
+
+
+quantize_refined = torch.library.custom_op("kv4::quantize_refined", _quantize_refined_on_cpu, mutates_args=())
 
 
 @quantize_refined.register_fake
@@ -214,8 +218,7 @@ def _(codes, scales, residual, bits, scheme, group, rotate, symmetric, span_head
 # --- attention -------------------------------------------------------------------------
 
 
-@torch.library.custom_op("kv4::attention", mutates_args=())
-def attention(
+def _attention_on_cpu(
     q: torch.Tensor,
     k_codes: torch.Tensor,
     k_scales: torch.Tensor,
@@ -262,6 +265,9 @@ def attention(
     )  # fmt: skip
 
 
+attention = torch.library.custom_op("kv4::attention", _attention_on_cpu, mutates_args=())
+
+
 @attention.register_fake
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
     return q.new_empty((*q.shape[:-1], v_new.shape[-1]))
@@ -279,3 +285,22 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         k_spec, v_spec, softcap, *extra,
     )  # fmt: skip
+
+
+# --- calls from eager code ----------------------------------------------------------------
+
+# The kernel each op runs on CPU (its default), for call().
+_CPU_KERNELS = {quantize: _quantize_on_cpu, quantize_refined: _quantize_refined_on_cpu, attention: _attention_on_cpu}
+
+
+def call(op, *args):
+    """``op(*args)``, as :class:`~kvpass.packed.PackedKV` calls the ops a decode step makes. Where the
+    dispatcher would only hand the call to the op's CPU kernel (plain CPU tensors, none needing grad,
+    no trace, dispatch mode or torch-function mode: :func:`kvpass.cpu_steps.plain_cpu_call`), the
+    kernel is called directly. The dispatcher's Python layers (autograd, backend, a Dynamo-disable
+    context, an aliasing check) cost ~50 us a call, and a SmolLM2 decode step makes 90 of them.
+    Traced, fake and checked calls (``opcheck``) reach the op."""
+    kernel = _CPU_KERNELS.get(op)
+    if kernel is not None and cpu_steps.plain_cpu_call(*(a for a in args if isinstance(a, torch.Tensor))):
+        return kernel(*args)
+    return op(*args)

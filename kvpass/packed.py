@@ -240,7 +240,7 @@ class PackedKV(torch.Tensor):
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding, filled)
         if self.spec.tokens_apart:  # kv4::quantize rotates as it quantizes
-            codes, scales = ops.quantize(new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
+            codes, scales = ops.call(ops.quantize, new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
             return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales,
                                   filled_pads=filled)  # fmt: skip
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
@@ -248,7 +248,7 @@ class PackedKV(torch.Tensor):
         stored = ops.rotate(new) if self.spec.rotate else new
         pending = torch.cat([self.residual, stored.to(self.dtype)], dim=2)
         n_leaving = _leaving(pending.shape[2], self.spec)
-        codes, scales = ops.quantize(pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
+        codes, scales = ops.call(ops.quantize, pending[:, :, :n_leaving], *ops.codec_args(_unrotated(self.spec)))
         return self._extended(codes, scales, pending[:, :, n_leaving:], head=head, offset=offset)
 
     def _held_append(self, new: torch.Tensor, query: torch.Tensor | None, pads: torch.Tensor | None,
@@ -300,8 +300,8 @@ class PackedKV(torch.Tensor):
         # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
-        codes, scales, *new_planes = ops.quantize_refined(
-            new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding
+        codes, scales, *new_planes = ops.call(
+            ops.quantize_refined, new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding
         )  # fmt: skip
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
@@ -1021,7 +1021,8 @@ def attention(
                                     for t in (v.scales, v.fine_scales))  # fmt: skip
         v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
     v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
-    return ops.attention(
+    return ops.call(
+        ops.attention,
         q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         *ops.spec_args(k.spec), *ops.spec_args(v.spec), softcap,
         k.fine_codes, k.fine_scales, v_fine_codes, v_fine_scales,  # a refined spec's second planes

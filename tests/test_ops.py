@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpass import ops, reference
 from kvpass.config import QuantSpec
@@ -169,3 +170,28 @@ def test_cpu_attention_never_dequantizes_more_than_a_block(monkeypatch):
     out = ops.attention(*args)
     assert len(largest) >= past // block and max(largest) <= block < past
     assert out.shape == (2, 4, 1, 64) and out.isfinite().all()
+
+
+def test_an_untraced_call_skips_the_dispatcher_and_gives_the_ops_results(monkeypatch):
+    """``ops.call`` runs an op's CPU kernel itself only where nothing but that kernel would see the
+    call; the dispatcher, made to fail here, must still be reached by a fake, a grad or a mode."""
+    spec = QuantSpec(4, "token", 64, True, clip=True, refine=64)
+    x = torch.randn(2, 3, 5, 64)
+    quantize_args = (x, *ops.codec_args(spec), spec.refine)
+    attention_args = _attention_args(70, 1, ROTATED)
+    expected = [ops.quantize_refined(*quantize_args), ops.attention(*attention_args)]
+
+    def dispatched(op, *args, **kwargs):
+        raise AssertionError(f"{op} went through the dispatcher")
+
+    monkeypatch.setattr(type(ops.attention), "__call__", dispatched)
+    got = [ops.call(ops.quantize_refined, *quantize_args), ops.call(ops.attention, *attention_args)]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0])) and torch.equal(got[1], expected[1])
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode, pytest.raises(AssertionError, match="dispatcher"):
+        ops.call(ops.quantize_refined, mode.from_tensor(x), *quantize_args[1:])
+    with TorchDispatchMode(), pytest.raises(AssertionError, match="dispatcher"):  # plain tensors, a mode watching
+        ops.call(ops.quantize_refined, *quantize_args)
+    with pytest.raises(AssertionError, match="dispatcher"):
+        ops.call(ops.quantize_refined, x.clone().requires_grad_(), *quantize_args[1:])
+    with torch.device("cpu"), pytest.raises(AssertionError, match="dispatcher"):
+        ops.call(ops.attention, *attention_args)
