@@ -65,20 +65,17 @@ def _compile(fn):
 _compiled = {}
 
 
-def plain_cpu_call(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call on ``tensors`` is seen by nothing but its CPU kernel: plain CPU tensors (no
-    subclass, fake or functional tensor), none requiring grad, outside any trace, dispatch mode
-    (opcheck's, a fake mode) or torch-function mode."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and not torch._C._is_torch_function_mode_enabled()
-            and all(type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad
-                    for t in tensors if t is not None))  # fmt: skip
+def untraced_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether ``tensors`` are plain CPU tensors (no subclass, fake or functional tensor) used outside
+    any trace or dispatch mode (opcheck's, a fake mode)."""
+    return (all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors if t is not None)
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)  # fmt: skip
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
     # Elsewhere (another trace, a mode, a subclass, a non-CPU tensor) the eager reference is the one
     # that composes, and not what Inductor's CPU code is for.
-    return enabled and plain_cpu_call(*tensors)
+    return enabled and untraced_cpu(*tensors)
 
 
 def _run(fn, key, args, eager):

@@ -295,12 +295,15 @@ _CPU_KERNELS = {quantize: _quantize_on_cpu, quantize_refined: _quantize_refined_
 
 def call(op, *args):
     """``op(*args)``, as :class:`~kvpass.packed.PackedKV` calls the ops a decode step makes. Where the
-    dispatcher would only hand the call to the op's CPU kernel (plain CPU tensors, none needing grad,
-    no trace, dispatch mode or torch-function mode: :func:`kvpass.cpu_steps.plain_cpu_call`), the
-    kernel is called directly. The dispatcher's Python layers (autograd, backend, a Dynamo-disable
-    context, an aliasing check) cost ~50 us a call, and a SmolLM2 decode step makes 90 of them.
-    Traced, fake and checked calls (``opcheck``) reach the op."""
+    dispatcher would only hand the call to the op's CPU kernel (plain CPU tensors, none requiring
+    grad, no trace, dispatch mode or torch-function mode), the kernel is called directly: the
+    dispatcher's Python layers (autograd, backend, a Dynamo-disable context, an aliasing check) cost
+    ~50 us a call, and a SmolLM2 decode step makes 90 of them. Traced, fake and checked calls
+    (``opcheck``) reach the op, and so does a tensor requiring grad, whose output the op marks as
+    having no backward (the kernel alone would record the reference's autograd graph)."""
     kernel = _CPU_KERNELS.get(op)
-    if kernel is not None and cpu_steps.plain_cpu_call(*(a for a in args if isinstance(a, torch.Tensor))):
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if (kernel is not None and not torch._C._is_torch_function_mode_enabled()
+            and not any(t.requires_grad for t in tensors) and cpu_steps.untraced_cpu(*tensors)):  # fmt: skip
         return kernel(*args)
     return op(*args)
