@@ -286,11 +286,17 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     tokens find one another's code (docs/design.md: 4 s from that cache, 10-18 s cold)."""
     if t is None:
         return None
-    alias = t.as_strided(t.shape, t.stride(), t.storage_offset())  # as view() would not: any strides
+    alias = _alias(t)
     length = t.shape[dim]
     hint = 1 << max(length - 1, 0).bit_length()
     torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=hint)
     return alias
+
+
+def _alias(t: torch.Tensor | None) -> torch.Tensor | None:
+    # A new tensor object over t's memory, taking any strides (as view() would not): marks set on it,
+    # or dropped from it, leave t's own.
+    return None if t is None else t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -324,8 +330,7 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
     stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
     # The sinks a sliding window's eviction leaves carry its unbacked mark (packed._evicted_head), meant
     # for the model's graph; here their count is a constant, as everywhere else: aliases drop the mark.
-    k_head, v_head = (None if t is None else t.as_strided(t.shape, t.stride(), t.storage_offset())
-                      for t in (k_head, v_head))  # fmt: skip
+    k_head, v_head = _alias(k_head), _alias(v_head)
     rest = (k_head, k_offset, v_head, v_offset)
     attn_mask = _unbacked(attn_mask, -1)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
