@@ -1,7 +1,11 @@
 """``kvpass bench memory`` and ``kvpass bench decode`` at a tiny size."""
 
 import argparse
+import ctypes.util
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -175,6 +179,48 @@ def test_memory_checks_every_cache_name_before_running_any(monkeypatch):
     with pytest.raises(ValueError, match="unknown cache 'fp8'"):
         memory.run(parser.parse_args(["--caches", "fp16,fp8", "--no-progress"]))
     assert ran == []
+
+
+def test_memory_rows_name_their_allocator_and_its_settings(monkeypatch):
+    # glibc's MALLOC_MMAP_THRESHOLD_ changes the peak (docs/bench-memory.md): a row without it would
+    # not say what it measured.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    row = memory.measure_in_subprocess("fp16", ctx=64, batch=1, decode=1, chunk=32, sizes=TINY, timeout=120)
+    assert "error" not in row, row
+    assert row["allocator"] == memory.current_allocator() == "glibc"  # Linux with glibc, as CI runs
+    assert row["allocator_settings"] == {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+    assert memory.format_table([row]).splitlines()[-1].split()[-2:] == ["glibc", "MALLOC_MMAP_THRESHOLD_=1048576"]
+
+
+def test_memory_checks_the_allocator_library_before_running_any(monkeypatch):
+    ran = []
+    monkeypatch.setattr(memory, "measure_in_subprocess", lambda *args, **kwargs: ran.append(args))
+    monkeypatch.setattr(memory.ctypes.util, "find_library", lambda name: None)
+    parser = argparse.ArgumentParser()
+    memory.add_arguments(parser)
+    with pytest.raises(ValueError, match="allocator 'jemalloc': no libjemalloc on this machine .* libjemalloc2"):
+        memory.run(parser.parse_args(["--caches", "fp16", "--allocator", "jemalloc", "--no-progress"]))
+    assert ran == []
+    with pytest.raises(ValueError, match="unknown allocator 'mimalloc'; use one of"):
+        memory.preload("mimalloc")
+
+
+@pytest.mark.parametrize("name", ["glibc", *sorted(memory.PRELOADABLE_ALLOCATORS)])
+def test_the_baseline_holds_none_of_the_memory_an_allocator_keeps_freed(name):
+    env = dict(os.environ)
+    if name != "glibc":
+        env["LD_PRELOAD"] = ctypes.util.find_library(memory.PRELOADABLE_ALLOCATORS[name].library)
+        if env["LD_PRELOAD"] is None:
+            pytest.skip(f"no {name} here (CI has none; docs/bench-memory.md has the runs)")
+    # 64 MiB in blocks of 64 KiB, freed: glibc's heap and tcmalloc keep all of it resident, jemalloc
+    # some; a baseline read over it would hide as much of a fill's growth.
+    script = ("import torch; from kvpass.bench import memory; base = memory._status_mib('VmRSS'); "
+              "xs = [torch.ones(2**14) for _ in range(2**10)]; del xs; kept = memory._status_mib('VmRSS') - base; "
+              "memory.release_free_memory(); "
+              "print(memory.current_allocator(), kept, memory._status_mib('VmRSS') - base)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    allocator, kept, after = out.split()
+    assert allocator == name and float(after) < 4 < float(kept) - float(after), out
 
 
 def test_append_grid_times_every_method_and_amortizes_the_growable_cache():

@@ -3,29 +3,53 @@
 Each configuration (cache kind x context x batch) runs in a fresh Python subprocess, so its
 memory belongs to it alone. In the subprocess: build the KV-dominated random-weight Llama of
 :mod:`kvpass.bench`, warm up (compile, for kv4) on the chunk sizes the measurement uses, collect
-garbage and hand freed heap memory back to the OS (glibc's ``malloc_trim``), read the resident set
-and reset the kernel's high-water mark to it (``/proc/self/clear_refs``), then fill a fresh cache to
-the context in chunks of 256 tokens and decode a few tokens, and read the high-water mark.
-Reported: the bytes the cache stores (counted from its tensors), per token and as a fraction of
-fp16; the peak resident set while filling and decoding; and its growth over the resident set
-before (cache + transients). Where the mark cannot be reset (no ``/proc``), both are
-``ru_maxrss``, whose baseline then includes the warm-up's own peak.
+garbage and hand freed memory back to the OS (:func:`release_free_memory`, for whichever allocator
+serves the process), read the resident set and reset the kernel's high-water mark to it
+(``/proc/self/clear_refs``), then fill a fresh cache to the context in chunks of 256 tokens and
+decode a few tokens, and read the high-water mark. Reported: the bytes the cache stores (counted
+from its tensors), per token and as a fraction of fp16; the peak resident set while filling and
+decoding; and its growth over the resident set before (cache + transients). Where the mark cannot
+be reset (no ``/proc``), both are ``ru_maxrss``, whose baseline then includes the warm-up's own peak.
+
+The resident set depends on the allocator as much as on the cache (glibc keeps freed heap memory
+resident, docs/bench-memory.md), so each row names the allocator its process ran with and the
+allocator settings in its environment; ``--allocator`` preloads jemalloc or tcmalloc into the
+configurations' processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_CACHES = "fp16,bf16,kv4,quanto"
+
+
+class _Preloadable(NamedTuple):
+    library: str  # as ctypes.util.find_library takes it
+    symbol: str  # exported by it alone: where it resolves, the library serves the process's malloc
+    package: str  # Debian's
+
+
+# Allocators --allocator preloads (LD_PRELOAD) into each configuration's process.
+PRELOADABLE_ALLOCATORS = {
+    "jemalloc": _Preloadable("jemalloc", "mallctl", "libjemalloc2"),
+    "tcmalloc": _Preloadable("tcmalloc_minimal", "MallocExtension_ReleaseFreeMemory", "libtcmalloc-minimal4"),
+}
+# Environment variables that change how an allocator keeps memory (glibc's MALLOC_MMAP_THRESHOLD_,
+# jemalloc's MALLOC_CONF, tcmalloc's TCMALLOC_*): recorded with each row.
+ALLOCATOR_VARIABLES = ("MALLOC_", "TCMALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def _maxrss_mib() -> float:
@@ -43,15 +67,60 @@ def _status_mib(field: str) -> float:
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def _resident_baseline_mib() -> float | None:
-    """The resident set with freed heap memory handed back, the high-water mark reset to it; None
-    where the mark cannot be reset. A warm-up's peak (compiling, for kv4) left in the mark would hide
-    the fill's first megabytes under it: 21 MiB of growth for a 34 MiB cache at 16K, batch 1."""
+def current_allocator() -> str:
+    """The allocator serving this process's malloc: a preloaded one of :data:`PRELOADABLE_ALLOCATORS`,
+    else ``"glibc"`` where ``malloc_trim`` resolves, else ``"unknown"``."""
     from kvpass import packed
 
-    trim = packed._malloc_trim()
-    if trim is not None:
-        trim(0)
+    if os.name != "posix":
+        return "unknown"
+    process = ctypes.CDLL(None)
+    for name, preloadable in PRELOADABLE_ALLOCATORS.items():
+        if hasattr(process, preloadable.symbol):
+            return name
+    return "glibc" if packed._malloc_trim() is not None else "unknown"
+
+
+def release_free_memory() -> None:
+    """Hand the memory this process's allocator holds freed back to the OS, so that a baseline read
+    after it holds none the fill could reuse unseen: glibc's ``malloc_trim``, jemalloc's purge of every
+    arena (after this thread's cache), tcmalloc's ``ReleaseFreeMemory``."""
+    from kvpass import packed
+
+    kind = current_allocator()
+    if kind == "glibc":
+        packed._malloc_trim()(0)
+    elif kind == "jemalloc":
+        for control in (b"thread.tcache.flush", b"arena.4096.purge"):  # 4096: MALLCTL_ARENAS_ALL
+            if err := ctypes.CDLL(None).mallctl(control, None, None, None, ctypes.c_size_t(0)):
+                raise OSError(err, f"jemalloc's mallctl({control.decode()!r}) failed: a baseline read now "
+                                   "would hold the memory it keeps freed")  # fmt: skip
+    elif kind == "tcmalloc":
+        ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+
+
+def _allocator_settings() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ALLOCATOR_VARIABLES)}
+
+
+def preload(name: str) -> str:
+    """The library ``LD_PRELOAD`` takes for allocator ``name`` (:data:`PRELOADABLE_ALLOCATORS`)."""
+    if name not in PRELOADABLE_ALLOCATORS:
+        raise ValueError(f"unknown allocator {name!r}; use one of {sorted(PRELOADABLE_ALLOCATORS)}")
+    preloadable = PRELOADABLE_ALLOCATORS[name]
+    library = ctypes.util.find_library(preloadable.library)
+    if library is None:
+        raise ValueError(f"allocator {name!r}: no lib{preloadable.library} on this machine "
+                         f"(Debian and Ubuntu package it as {preloadable.package})")  # fmt: skip
+    return library
+
+
+def _resident_baseline_mib() -> float | None:
+    """The resident set with freed memory handed back (:func:`release_free_memory`), the high-water
+    mark reset to it; None where the mark cannot be reset. A warm-up's peak (compiling, for kv4) left
+    in the mark would hide the fill's first megabytes under it: 21 MiB of growth for a 34 MiB cache at
+    16K, batch 1."""
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # the kernel's code for resetting the peak resident set size
@@ -100,13 +169,19 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
         peak_rss_mib=peak, warm_rss_mib=base, growth_mib=peak - base, seconds=seconds,
         threads=torch.get_num_threads(), graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
         baseline="resident set before the fill" if resettable else "ru_maxrss after the warm-up",
+        allocator=current_allocator(), allocator_settings=_allocator_settings(),
     )  # fmt: skip
 
 
 def measure_in_subprocess(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
-                          sizes: dict | None = None, timeout: float | None = None) -> dict:  # fmt: skip
+                          sizes: dict | None = None, timeout: float | None = None,
+                          allocator: str | None = None) -> dict:  # fmt: skip
+    """:func:`measure` in a fresh process; ``allocator``: one of :data:`PRELOADABLE_ALLOCATORS`,
+    preloaded there (None: the environment's own)."""
     job = json.dumps(dict(cache=cache, ctx=ctx, batch=batch, decode=decode, chunk=chunk, sizes=sizes))
     env = dict(os.environ, PYTHONWARNINGS="ignore")
+    if allocator is not None:
+        env["LD_PRELOAD"] = " ".join(filter(None, (preload(allocator), env.get("LD_PRELOAD"))))
     try:
         proc = subprocess.run([sys.executable, "-m", "kvpass.bench.memory", "--worker", job],
                               capture_output=True, text=True, timeout=timeout, env=env)  # fmt: skip
@@ -120,17 +195,19 @@ def measure_in_subprocess(cache: str, ctx: int, batch: int, decode: int = 8, chu
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ["cache", "batch", "ctx", "stored KV", "bytes/token", "x fp16", "peak RSS", "growth", "time (s)"]
+    header = ["cache", "batch", "ctx", "stored KV", "bytes/token", "x fp16", "peak RSS", "growth", "time (s)",
+              "allocator"]  # fmt: skip
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append([r["cache"], str(r["batch"]), str(r["ctx"]), r["error"], "", "", "", "", ""])
+            lines.append([r["cache"], str(r["batch"]), str(r["ctx"]), r["error"], "", "", "", "", "", ""])
             continue
+        settings = " ".join(f"{k}={v}" for k, v in r.get("allocator_settings", {}).items() if k != "LD_PRELOAD")
         lines.append([
             r["cache"], str(r["batch"]), str(r["ctx"]), f"{r['stored_bytes'] / 2**20:,.1f} MiB",
             f"{r['bytes_per_token']:,.0f}", f"{r['ratio_fp16']:.3f}", f"{r['peak_rss_mib']:,.0f} MiB",
             f"{r['growth_mib']:,.0f} MiB" + (f" ({n} graph{'s' * (n > 1)} compiled in it)" if (n := r.get("graphs_compiled")) else ""),
-            f"{r['seconds']:.1f}",
+            f"{r['seconds']:.1f}", " ".join(filter(None, (r.get("allocator", ""), settings))),
         ])  # fmt: skip
     return render_table(header, lines, markdown)
 
@@ -179,6 +256,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=arguments.positive_int, default=1024, help="model width (default 1024; tests use less)")
     parser.add_argument("--layers", type=arguments.positive_int, default=2)
     parser.add_argument("--timeout", type=arguments.positive_float, default=1800, help="seconds per configuration")
+    parser.add_argument("--allocator", choices=sorted(PRELOADABLE_ALLOCATORS),
+                        help="preload this allocator into each configuration's process (default: the environment's; "
+                             "glibc's malloc keeps freed memory resident, which the peak counts)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
     parser.add_argument("--plot", metavar="PNG", help="plot memory against context here")
@@ -196,11 +276,13 @@ def run(args) -> int:
     for cache in caches:  # before the first configuration: a 16K run takes minutes
         if cache not in bench.CACHES:
             raise ValueError(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
+    if args.allocator is not None:
+        preload(args.allocator)  # here too: a missing library fails before the first configuration
     rows = []
     t0 = time.perf_counter()
     jobs = [(cache, batch, ctx) for cache in caches for batch in args.batches for ctx in contexts]
     for cache, batch, ctx in (bar := tqdm(jobs, disable=args.no_progress, file=sys.stderr, desc="memory")):
-        row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout)
+        row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout, args.allocator)
         rows.append(row)
         bar.write(f"  {cache} batch {batch} ctx {ctx}: " + (row.get("error") or
                   f"{row['bytes_per_token']:,.0f} B/token ({row['ratio_fp16']:.3f}x fp16), "
