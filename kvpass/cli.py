@@ -14,10 +14,12 @@ from kvpass import arguments, version
 
 log = logging.getLogger("kvpass")
 
+# This module's name, also where it runs as ``python -m kvpass.cli`` (its __name__ then "__main__").
+_THIS = "kvpass.cli"
 # subcommand -> (module providing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
-    "demo": ("kvpass.cli", "compile a built-in tiny model with kv4, generate, show bytes and sites"),
-    "explain": ("kvpass.cli", "print the graph diffs and site table kv4 produces for a models_zoo model"),
+    "demo": (_THIS, "compile a built-in tiny model with kv4, generate, show bytes and sites"),
+    "explain": (_THIS, "print the graph diffs and site table kv4 produces for a models_zoo model"),
     "estimate": ("kvpass.estimate", "KV-cache bytes of a model at given contexts and batch sizes"),
     "eval": ("kvpass.eval", "streaming perplexity and greedy agreement on a real model"),
     "coverage": ("kvpass.coverage", "support matrix over transformers' causal-LM architectures"),
@@ -101,7 +103,7 @@ _LOCAL = {"demo": (_demo_arguments, run_demo), "explain": (_explain_arguments, r
 
 
 def _load(module_name: str, command: str):
-    if module_name == __name__:
+    if module_name == _THIS:
         return _LOCAL[command]
     module = importlib.import_module(module_name)
     return module.add_arguments, module.run

@@ -60,6 +60,16 @@ def test_results_record_the_kvpass_that_made_them(tmp_path):
     assert json.loads((tmp_path / "append.json").read_text())["kvpass"] == version.describe()
 
 
+@pytest.mark.parametrize("command", [["demo", "--prompt-tokens"], ["explain", "--new-tokens"]])
+def test_python_dash_m_runs_the_subcommands_this_module_defines(command):
+    # Run as `python -m kvpass.cli` the module is __main__, and looking demo up by that name failed.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvpass.cli", command[0], "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and command[1] in out.stdout, out.stderr[-500:]
+
+
 @pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"], ["sensitivity"]])
 def test_help_lists_the_subcommands_own_options(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
