@@ -3,6 +3,7 @@
 import argparse
 import ctypes.util
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -205,6 +206,19 @@ def test_memory_checks_the_allocator_library_before_running_any(monkeypatch):
     assert ran == []
     with pytest.raises(ValueError, match="unknown allocator 'mimalloc'; use one of"):
         memory.preload("mimalloc")
+
+
+def test_decode_results_name_the_allocator_they_ran_with(tmp_path, monkeypatch, capsys):
+    # Decode latency depends on the allocator too (a step makes hundreds of small allocations).
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    parser = argparse.ArgumentParser()
+    decode.add_arguments(parser)
+    out = tmp_path / "decode.json"
+    decode.run(parser.parse_args(["--methods", "fp", "--contexts", "64", "--hidden", "128", "--layers", "1",
+                                  "--warmup", "1", "--steps", "2", "--json", str(out), "--no-progress"]))  # fmt: skip
+    info = json.loads(out.read_text())
+    assert info["allocator"] == memory.current_allocator() != "unknown"
+    assert info["allocator_settings"]["MALLOC_ARENA_MAX"] == "2" and len(info["rows"]) == 1
 
 
 @pytest.mark.parametrize("name", ["glibc", *sorted(memory.PRELOADABLE_ALLOCATORS)])

@@ -233,6 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from kvpass import bench
+    from kvpass.bench import memory
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -257,6 +258,7 @@ def run(args) -> int:
     print(format_table(rows))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model, device=device,
-                threads=torch.get_num_threads(), torch=torch.__version__, rows=rows)  # fmt: skip
+                threads=torch.get_num_threads(), torch=torch.__version__, allocator=memory.current_allocator(),
+                allocator_settings=memory.allocator_settings(), rows=rows)  # fmt: skip
     bench.write_results(args, info, format_table(rows, markdown=True))
     return 0

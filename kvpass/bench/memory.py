@@ -99,7 +99,8 @@ def release_free_memory() -> None:
         ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
 
 
-def _allocator_settings() -> dict[str, str]:
+def allocator_settings() -> dict[str, str]:
+    """This process's environment variables of :data:`ALLOCATOR_VARIABLES`."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ALLOCATOR_VARIABLES)}
 
 
@@ -169,7 +170,7 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
         peak_rss_mib=peak, warm_rss_mib=base, growth_mib=peak - base, seconds=seconds,
         threads=torch.get_num_threads(), graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
         baseline="resident set before the fill" if resettable else "ru_maxrss after the warm-up",
-        allocator=current_allocator(), allocator_settings=_allocator_settings(),
+        allocator=current_allocator(), allocator_settings=allocator_settings(),
     )  # fmt: skip
 
 
