@@ -129,6 +129,27 @@ def check_quantize_refined() -> bool:
     return ok
 
 
+def check_decode_step() -> bool:
+    """``kv4::decode_step`` on CUDA (a layer's attention and both appends in one op) against the three
+    calls it stands for, on the same caches: equal, as it calls the same kernels."""
+    from kvpass import packed
+    from kvpass.packed import PackedKV
+
+    ok = True
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randn(2, 24, 300, 128, device="cuda", dtype=dtype)
+        k = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), DEFAULT[0], query=q)
+        v = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), DEFAULT[1])
+        q, k_new, v_new = (torch.randn(2, heads, 1, 128, device="cuda", dtype=dtype) for heads in (24, 8, 8))
+        out, k_grown, v_grown = packed.attend_and_append(q, k, v, k_new, v_new, query=q)
+        same = torch.equal(out, packed.attention(q, k, v, k_new, v_new))
+        for grown, appended in ((k_grown, k.append(k_new, query=q)), (v_grown, v.append(v_new))):
+            same &= all(torch.equal(getattr(grown, n), getattr(appended, n)) for n in grown.__tensor_flatten__()[0])
+        ok &= same
+        print(f"decode_step {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+    return ok
+
+
 def check_sinks_and_offset(kernels) -> bool:
     """A cache built by appends on CUDA with the default's fp K sinks and K offset (a first append
     of 64+ tokens; the 40-token one takes one sink and no offset, the 3-token one neither): the
@@ -354,7 +375,7 @@ def main() -> int:
     from kvpass import kernels
 
     torch.manual_seed(0)
-    checks = [(check_quantize, kernels), (check_quantize_refined,), (check_attention, kernels),
+    checks = [(check_quantize, kernels), (check_quantize_refined,), (check_decode_step,), (check_attention, kernels),
               (check_sinks_and_offset, kernels), (check_narrow_heads,), (check_query_rounding, kernels),
               (check_eager_sdpa,), (check_cuda_graph_decode,)]  # fmt: skip
     if len(sys.argv) > 1:  # check names given: run only those

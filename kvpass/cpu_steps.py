@@ -306,24 +306,19 @@ def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.storage_offset() == 0 else t.clone()
 
 
-def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
-              is_causal, k_spec, v_spec, softcap=0.0, k_fine_codes=None, k_fine_scales=None, v_fine_codes=None,
-              v_fine_scales=None, k_head=None, k_offset=None, v_head=None, v_offset=None):  # fmt: skip
-    """:func:`kvpass.reference.attention`; for a decode step's one query over one new token, fused and
-    compiled (within tolerance of the reference, see the module's docstring)."""
+def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+                is_causal, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head,
+                k_offset, v_head, v_offset):  # fmt: skip
+    """``(key, args)`` of :func:`_decode_attention` for a decode step's attention, or None where the
+    reference computes it."""
     stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_fine_codes, k_fine_scales,
               v_fine_codes, v_fine_scales)  # fmt: skip
     rest = (k_head, k_offset, v_head, v_offset)
-    args = (q, *stored[:6], k_new, v_new, attn_mask, scale, is_causal, k_spec, v_spec, softcap, *stored[6:], *rest)
-
-    def eager():
-        return reference.attention(*args)
-
     # A static cache (no new tokens) holds unwritten rows the reference skips by block; is_causal with
     # one query attends only the first key: both stay with the reference.
     if not (fused_attention and q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
-        return eager()
+        return None
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
     # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
     fine = map(_rows_outermost, fine)  # planes grow from 0 rows in a short prompt's decode
@@ -339,6 +334,55 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
     fixed_rows = [None if t is None else t.shape[2] for t in rest]
     key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
            None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
-    compiled_args = (q, *stored[:6], _step(k_new), _step(v_new), attn_mask, scale, softcap, *stored[6:], *rest,
-                     k_reading, v_reading, k_spec, v_spec)  # fmt: skip
-    return _run(_decode_attention, key, compiled_args, eager)
+    args = (q, *stored[:6], _step(k_new), _step(v_new), attn_mask, scale, softcap, *stored[6:], *rest, k_reading,
+            v_reading, k_spec, v_spec)  # fmt: skip
+    return key, args
+
+
+def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+              is_causal, k_spec, v_spec, softcap=0.0, k_fine_codes=None, k_fine_scales=None, v_fine_codes=None,
+              v_fine_scales=None, k_head=None, k_offset=None, v_head=None, v_offset=None):  # fmt: skip
+    """:func:`kvpass.reference.attention`; for a decode step's one query over one new token, fused and
+    compiled (within tolerance of the reference, see the module's docstring)."""
+    args = (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
+            k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head,
+            v_offset)  # fmt: skip
+
+    def eager():
+        return reference.attention(*args)
+
+    fused = _fused_args(*args)
+    return eager() if fused is None else _run(_decode_attention, fused[0], fused[1], eager)
+
+
+def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+                 softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
+                 k_reading, v_reading, k_spec, v_spec):  # fmt: skip
+    out = _decode_attention(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, softcap,
+        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_reading,
+        v_reading, k_spec, v_spec,
+    )  # fmt: skip
+    k_stored = reference.encode_refined(k_new.to(k_residual.dtype), k_spec, reference.quantize, k_offset)
+    v_stored = reference.encode_refined(v_new.to(v_residual.dtype), v_spec, reference.quantize, v_offset)
+    return out, *k_stored, *v_stored
+
+
+def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+                k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
+                v_head, v_offset):  # fmt: skip
+    """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
+    dtypes, with their caches' offsets: ``(out, *k_stored, *v_stored)``. A decode step's three, fused,
+    are one compiled graph: each compiled call costs ~50 us of Dynamo's and AOT's wrappers beyond its
+    work, and a SmolLM2 step makes 30 of these (``docs/bench-decode.md``). The codes are the
+    reference's bit for bit, as :func:`encode_refined`'s."""
+    args = (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False,
+            k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head,
+            v_offset)  # fmt: skip
+
+    def apart():
+        return (attention(*args), *encode_refined(k_new.to(k_residual.dtype), k_spec, k_offset),
+                *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
+
+    fused = _fused_args(*args)
+    return apart() if fused is None else _run(_decode_step, fused[0], fused[1], apart)

@@ -76,3 +76,28 @@ def kv4_sdpa(
     (:func:`kvpass.packed.attention`, which says what the other arguments are)."""
     k, v = _as_packed(past_k, _spec(k_spec)), _as_packed(past_v, _spec(v_spec))
     return packed.attention(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads)
+
+
+def kv4_decode(
+    q: torch.Tensor,
+    past_k: torch.Tensor,
+    k_new: torch.Tensor,
+    past_v: torch.Tensor,
+    v_new: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    k_spec: str,
+    v_spec: str,
+    softcap: float = 0.0,
+    query: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    fills_pads: bool = False,
+) -> tuple[torch.Tensor, PackedKV, PackedKV]:
+    """``(kv4_sdpa(q, past_k, k_new, past_v, v_new, ...), kv4_append(past_k, k_new, k_spec, query, mask,
+    fills_pads), kv4_append(past_v, v_new, v_spec, ...))`` of a site whose appends only its attention and
+    the cache object read: a decode step's three in one call (:func:`kvpass.packed.attend_and_append`)."""
+    k, v = _as_packed(past_k, _spec(k_spec)), _as_packed(past_v, _spec(v_spec))
+    pads = _pads(mask, k_new) if k.takes_pads else None
+    return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, query, pads, fills_pads)
+

@@ -130,12 +130,18 @@ def _quantize_refined_on_cpu(
 quantize_refined = torch.library.custom_op("kv4::quantize_refined", _quantize_refined_on_cpu, mutates_args=())
 
 
-@quantize_refined.register_fake
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
+def _refined_like(x: torch.Tensor, bits: int, scheme: str, group: int, rotate: bool, symmetric: bool,
+                  span_heads: bool, clip: bool, refine: int):  # fmt: skip
+    """Empty ``(codes, scales, fine_codes, fine_scales)`` shaped as :func:`quantize_refined` returns them."""
     T = x.shape[2]
     newest = x[:, :, T - torch.sym_min(T, refine) :]
     layout = (bits, scheme, group, rotate, symmetric, span_heads)
     return *_stored_like(x, *layout), *_stored_like(newest, *layout)
+
+
+@quantize_refined.register_fake
+def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
+    return _refined_like(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine)
 
 
 @quantize_refined.register_kernel("cuda")
@@ -287,10 +293,95 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
     )  # fmt: skip
 
 
+# --- a decode step: attention and both appends' quantization ----------------------------------
+
+
+def refined_codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool, bool, int]:
+    """What writing a refined ``spec`` needs (``decode_step``): :func:`codec_args` and ``refine``."""
+    return (*codec_args(spec), spec.refine)
+
+
+def _decode_step_on_cpu(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    k_residual: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor,
+    v_residual: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    k_bits: int,
+    k_scheme: str,
+    k_group: int,
+    k_rotate: bool,
+    k_symmetric: bool,
+    k_span_heads: bool,
+    k_clip: bool,
+    k_refine: int,
+    v_bits: int,
+    v_scheme: str,
+    v_group: int,
+    v_rotate: bool,
+    v_symmetric: bool,
+    v_span_heads: bool,
+    v_clip: bool,
+    v_refine: int,
+    softcap: float,
+    k_fine_codes: torch.Tensor,
+    k_fine_scales: torch.Tensor,
+    v_fine_codes: torch.Tensor,
+    v_fine_scales: torch.Tensor,
+    k_head: torch.Tensor | None,
+    k_offset: torch.Tensor | None,
+    v_head: torch.Tensor | None,
+    v_offset: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One decode step of a layer whose K and V are refined (``QuantSpec.refine``): :func:`attention`
+    over the stored past and the new tokens (not causal), and :func:`quantize_refined` of each new token
+    in its cache's dtype with its cache's offset: ``(out, *k_stored, *v_stored)``, each four tensors.
+    One op, not three: the work is one token's, and on CPU each call costs more than its work
+    (:func:`kvpass.cpu_steps.decode_step` compiles the three as one graph)."""
+    return cpu_steps.decode_step(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+        _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads, clip=k_clip, refine=k_refine),
+        _spec(v_bits, v_scheme, v_group, v_rotate, v_symmetric, v_span_heads, clip=v_clip, refine=v_refine), softcap,
+        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
+    )  # fmt: skip
+
+
+decode_step = torch.library.custom_op("kv4::decode_step", _decode_step_on_cpu, mutates_args=())
+
+_REFINED_ARGS = SPEC_ARGS + 2  # a spec's scalars in decode_step: spec_args, clip, refine
+
+
+@decode_step.register_fake
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, *rest):
+    n = _REFINED_ARGS
+    k_args, v_args = rest[:n], rest[n : 2 * n]
+    return q.new_empty((*q.shape[:-1], v_new.shape[-1])), *_refined_like(k_new, *k_args), *_refined_like(v_new, *v_args)
+
+
+@decode_step.register_kernel("cuda")
+def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, *rest):
+    n = _REFINED_ARGS
+    k_args, v_args, (softcap, *extra) = rest[:n], rest[n : 2 * n], rest[2 * n :]
+    k_head, k_offset, v_head, v_offset = extra[4:]
+    out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+                    False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *extra)  # fmt: skip
+    k_stored = quantize_refined(k_new.to(k_residual.dtype), *k_args, k_offset)
+    v_stored = quantize_refined(v_new.to(v_residual.dtype), *v_args, v_offset)
+    return out, *k_stored, *v_stored
+
+
 # --- calls from eager code ----------------------------------------------------------------
 
 # The kernel each op runs on CPU (its default), for call().
-_CPU_KERNELS = {quantize: _quantize_on_cpu, quantize_refined: _quantize_refined_on_cpu, attention: _attention_on_cpu}
+_CPU_KERNELS = {quantize: _quantize_on_cpu, quantize_refined: _quantize_refined_on_cpu, attention: _attention_on_cpu,
+                decode_step: _decode_step_on_cpu}
 
 
 def call(op, *args):

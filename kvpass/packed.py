@@ -300,13 +300,16 @@ class PackedKV(torch.Tensor):
         # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
-        codes, scales, *new_planes = ops.call(
-            ops.quantize_refined, new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding
-        )  # fmt: skip
+        stored = ops.call(ops.quantize_refined, new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding)
+        return self._refined_extended(stored, head, offset, query_scales, filled)
+
+    def _refined_extended(self, stored, head, offset, query_scales, filled) -> PackedKV:
+        """This cache followed by new tokens ``stored`` as ``kv4::quantize_refined`` returns them."""
+        codes, scales, *new_planes = stored
         # Counted over every token the cache holds, sinks too: K's plane then changes length at the
         # same steps as V's, and decode graphs mark both dynamic at once.
-        held = _head_len(head) + self.codes.shape[2] + new.shape[2]
-        n_fine = reference.refined_tokens(self.spec, held, new.shape[-1], _head_len(head), offset)
+        held = _head_len(head) + self.codes.shape[2] + codes.shape[2]  # a refined spec's codes: a row a token
+        n_fine = reference.refined_tokens(self.spec, held, self.shape[-1], _head_len(head), offset)
         fine = tuple(_newest_rows(old, new, n_fine) for old, new in zip(self._fine_planes(), new_planes))
         return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, filled)
 
@@ -998,6 +1001,11 @@ def attention(
     Gemma-2's ``cap * tanh(scores / cap)``. ``v_heads[j]`` is the stored V head that head ``j`` of V
     reads (DiffLlama: a chunk of the heads tiled back); it copies the picked heads' codes.
     """
+    return ops.call(ops.attention, *_attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads))
+
+
+def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads) -> tuple:
+    """``kv4::attention``'s arguments for :func:`attention`'s."""
     if reference.fixed_or_none(v.query_scales) is not None:
         raise ValueError(f"V ({v.spec.tag}) holds query scales: attention reads V as stored; store it unscaled")
     if k.filled_pads.shape[1] != v.filled_pads.shape[1]:
@@ -1021,13 +1029,46 @@ def attention(
                                     for t in (v.scales, v.fine_scales))  # fmt: skip
         v_new, *v_stored = (None if t is None else t.index_select(1, index) for t in (v_new, *v_stored))
     v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales, v_head, v_offset = v_stored
-    return ops.call(
-        ops.attention,
+    return (
         q, k.codes, k.scales, k.residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal,
         *ops.spec_args(k.spec), *ops.spec_args(v.spec), softcap,
         k.fine_codes, k.fine_scales, v_fine_codes, v_fine_scales,  # a refined spec's second planes
         k.head, k.offset, v_head, v_offset,  # fp sinks and a centered spec's offset
     )  # fmt: skip
+
+
+def _steps_as_one(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor, is_causal: bool,
+                  query: torch.Tensor | None) -> bool:  # fmt: skip
+    """Whether :func:`attend_and_append` is one ``kv4::decode_step``: a decode step (one query, one new
+    token, not causal) of two refined caches past their first append, neither rounding it."""
+    return (q.shape[2] == 1 and k_new.shape[2] == 1 and not is_causal and bool(k.spec.refine and v.spec.refine)
+            and not (k._is_empty or v._is_empty) and not (query is not None and k.spec.rounds(query.shape[2])))  # fmt: skip
+
+
+def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, scale: float | None = None, is_causal: bool = False,
+                      softcap: float = 0.0, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,
+                      fills_pads: bool = False) -> tuple[torch.Tensor, PackedKV, PackedKV]:  # fmt: skip
+    """``(attention(q, k, v, k_new, v_new, ...), k.append(k_new, query, pads, fills_pads), v.append(v_new, ...))``:
+    a layer's attention and both appends, which read only the past (V gets the ``pads`` to fill them).
+    A decode step of two refined caches is one op call (``kv4::decode_step``), the rest the three calls."""
+    if not _steps_as_one(q, k, v, k_new, is_causal, query):
+        k_grown = k.append(k_new, query, pads, fills_pads)
+        # V needs the pads only to fill them (K's statistics skip them).
+        v_grown = v.append(v_new, pads=pads if fills_pads else None, fills_pads=fills_pads)
+        return attention(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap), k_grown, v_grown
+    args = _attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, None)
+    (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, _), rest = (
+        args[:12], args[12 + 2 * ops.SPEC_ARGS :]
+    )  # fmt: skip
+    out, *stored = ops.call(
+        ops.decode_step, q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
+        scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest,
+    )  # fmt: skip
+    # The new key went in as attention reads it, scaled by K's query scales, as an append stores it.
+    k_grown = k._refined_extended(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)
+    v_grown = v._refined_extended(stored[4:], v.head, v.offset, v.query_scales, v.filled_pads)
+    return out, _marked_growing(k_grown), _marked_growing(v_grown)
 
 
 # SDPA's fused kernels, which F.scaled_dot_product_attention dispatches to, and the name of each

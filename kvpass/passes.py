@@ -1023,9 +1023,11 @@ def _write_slots(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
     return written
 
 
-def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, k_past, v_past, specs) -> None:
+def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, k_past, v_past, specs,
+                     appends: dict | None = None) -> fx.Node | None:  # fmt: skip
     """Replace the attention by ``kv4_sdpa`` over ``k_past`` / ``v_past`` and, for a DynamicCache,
-    the exact new tokens (a static buffer holds them already, quantized)."""
+    the exact new tokens (a static buffer holds them already, quantized). With ``appends`` (the K
+    append's keywords), by ``kv4_decode``, which appends too: returned, its outputs 1 and 2 the caches."""
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
         query = attn.query
@@ -1041,20 +1043,42 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
             )  # fmt: skip
         if attn.sink is not None:
             k_new, v_new = _add_sink(graph, attn, k_new, v_new, k.new, v.new)
-        fused = graph.call_function(
-            graph_ops.kv4_sdpa,
-            (query, k_past, k_new, v_past, v_new),
-            {
-                "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
-                "k_spec": specs[0].tag, "v_spec": specs[1].tag,
-                **({"softcap": attn.softcap} if attn.softcap else {}),
-                **({"v_heads": v.heads} if v.heads is not None else {}),
-            },
-        )  # fmt: skip
+        kwargs = {
+            "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
+            "k_spec": specs[0].tag, "v_spec": specs[1].tag,
+            **({"softcap": attn.softcap} if attn.softcap else {}),
+            **({"v_heads": v.heads} if v.heads is not None else {}),
+        }  # fmt: skip
+        step = None
+        if appends is None:
+            fused = graph.call_function(graph_ops.kv4_sdpa, (query, k_past, k_new, v_past, v_new), kwargs)
+        else:
+            step = graph.call_function(graph_ops.kv4_decode, (query, k_past, k_new, v_past, v_new), {**kwargs, **appends})
+            fused = graph.call_function(operator.getitem, (step, 0))
+            fused._rename(f"{step.name}_out")
         if attn.tiles > 1:
             fused = _tiled_heads(graph, fused, attn.tiles)
     _replace_output(graph, attn, fused)
     _erase_if_dead(graph, attn.nodes + k.chain + v.chain)
+    return step
+
+
+def _appends_with_attention(attn: _Attention, k: _CacheWrite, v: _CacheWrite, shared: _SharedWrites, order: dict) -> str:
+    """Why a decode site's appends cannot be one call with its attention (``kv4_decode``), or "" if
+    they can: each write read by this site alone, and besides it only where the call's outputs
+    exist (after the attention) and as a cache, not as floats."""
+    if k.node is v.node:
+        return "K and V are one tensor"
+    if attn.sink is not None or k.extra is not None or v.extra is not None or v.heads is not None:
+        return "attention reads other new tokens than the appends store"
+    for write in (k, v):
+        if write.node in shared.packed or shared.pending[write.node] > 1 or write.fp_readers:
+            return f"cache write {write.node.name} has other readers"
+        site = {*attn.nodes, *write.chain, write.reader}
+        late = [u for u in write.node.users if u not in site and u.op != "output"]
+        if any(order.get(u, -1) < order[attn.output] for u in late):
+            return f"cache write {write.node.name} is read before the attention"
+    return ""
 
 
 def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
@@ -1070,7 +1094,7 @@ def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict)
 
 def _rewrite_site(
     graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, config: KVConfig, shared: _SharedWrites,
-    query: fx.Node | None = None,
+    order: dict, query: fx.Node | None = None,
     mask: fx.Node | None = None,
     fills_pads: bool = False,
 ) -> str:
@@ -1094,7 +1118,22 @@ def _rewrite_site(
         _fused_attention(graph, attn, k, v, k_read, v_read, specs)
         return "static"
     k_spec, v_spec = _site_specs(k, v, config)
-    for write, spec in ((k, k_spec), (v, v_spec)):
+    apart = "prefill" if k.past is None else _appends_with_attention(attn, k, v, shared, order)
+    if not apart:
+        appends = {**({"query": query} if query is not None else {}), **({"mask": mask} if mask is not None else {}),
+                   **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
+        step = _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec), appends)
+        packed = step
+        for i, (write, role) in enumerate(((k, "k"), (v, "v")), 1):
+            with graph.inserting_after(packed):
+                packed = graph.call_function(operator.getitem, (step, i))
+            packed._rename(f"{step.name}_{role}")
+            _copy_meta(write.node, packed)
+            write.node.replace_all_uses_with(packed)
+            shared.packed[write.node] = packed
+    elif k.past is not None:
+        log.debug("kvpass: site %s appends apart from its attention: %s", attn.output.name, apart)
+    for write, spec in ((k, k_spec), (v, v_spec)) if apart else ():
         # V fills its rows' pads as K does (it needs the mask for that alone), or neither does.
         mask_read = mask if write is k or fills_pads else None
         _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None, mask_read, fills_pads)
@@ -1103,7 +1142,7 @@ def _rewrite_site(
         # Attention over an empty past is attention over the new tokens, kept exact.
         for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
             (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
-    else:
+    elif apart:
         _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec))
     for write in (k, v):
         shared.pending[write.node] -= 1
@@ -1387,7 +1426,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         # K's statistics skip. Only the SDPA form's, and only when computed before the cache write.
         mask = attn.attn_mask if query is not None and order.get(attn.attn_mask, len(order)) < order[k.node] else None
         fills_pads = mask is not None and order[mask] < order[v.node] and _fills_pads(_site_specs(k, v, site_config))
-        phase = _rewrite_site(graph, attn, k, v, site_config, shared, query, mask, fills_pads)
+        phase = _rewrite_site(graph, attn, k, v, site_config, shared, order, query, mask, fills_pads)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
     _rewrite_latent_caches(graph, config, shared, unmatched)

@@ -256,7 +256,7 @@ def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, mo
     with caplog.at_level(logging.INFO, logger="kvpass"):
         model.compile(backend=kvpass.kv4(debug_dir=str(tmp_path)))
         model.generate(_ids(10), max_new_tokens=3, do_sample=False)
-    assert "+++ graph_" in caplog.text and "kv4_append" in caplog.text
+    assert "+++ graph_" in caplog.text and "kv4_decode" in caplog.text
     assert "model.layers.0.self_attn" in caplog.text and "int4" in caplog.text
     saved = sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir())
     assert saved.count("diff") >= 2 and saved.count("sites.txt") >= 2
@@ -434,7 +434,8 @@ def test_query_rounded_keys_are_handed_their_sites_query_at_every_write():
     writes = [line for g in backend.graphs for line in g.after.splitlines() if "kv4_pack(" in line or "kv4_append(" in line]
     k_writes = [line for line in writes if ":qr'" in line]
     assert len(k_writes) == len(writes) / 2 and all("query = " in line for line in k_writes)
-    assert any("kv4_append(" in line for line in k_writes)  # decode steps too
+    decodes = [line for g in backend.graphs for line in g.after.splitlines() if "kv4_decode(" in line]
+    assert decodes and all("query = " in line for line in decodes)  # decode steps too
     assert all(layer.keys.spec.query_rounded and not layer.values.spec.query_rounded for layer in caches[True].layers)
     # Layer 0 reads the same tokens either way (later layers read what K's codes changed).
     near, rounded = caches[False].layers[0], caches[True].layers[0]
@@ -511,7 +512,7 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
 
 
 @torch.no_grad()
-def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
+def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing(caplog):
     """HF's sliding layer slices its cache to the window every update; a slice that specialised the
     graph on the cache's length would recompile every decode step until the window is full (Gemma
     3's 512 tokens). The prompt's graph and one decode graph serve until the window is full, then
@@ -519,6 +520,7 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     a graph before). The layer also reads its cache's length, which the packed cache gives without
     dequantizing it."""
     torch._dynamo.reset()
+    caplog.set_level(logging.DEBUG, logger="kvpass")
     model = sliding_mistral()
     ids = _ids(130, seed=5)
     backend = kvpass.kv4()
@@ -533,3 +535,5 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     assert (graphs[70], graphs[98], graphs[99], graphs[100], graphs[129]) == (2, 2, 3, 4, 4)
     assert all(".dequantize()" not in graph.after for graph in backend.graphs)
     assert any(re.search(r"kv4_append(_\d+)?\.size\(\)", graph.after) for graph in backend.graphs)
+    # The length is read before attention: those appends cannot be one call with it, and the log says so.
+    assert re.search(r"appends apart from its attention: cache write \w+ is read before the attention", caplog.text)

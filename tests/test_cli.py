@@ -16,7 +16,7 @@ def test_explain_prints_site_tables_and_diffs(capsys):
     out = capsys.readouterr().out
     assert out.count("===== graph_") == 2  # prefill, decode (its lengths symbols from the first)
     assert re.search(r"model.layers.1.self_attn +sdpa +decode +int4", out)
-    assert "+    kv4_append = kvpass_graph_ops_kv4_append(" in out
+    assert "+    kv4_decode = kvpass_graph_ops_kv4_decode(" in out
     assert "-    attn_output = torch._C._nn.scaled_dot_product_attention(" in out
 
 

@@ -3,6 +3,7 @@ reference's codes and scales bit for bit, the attention agrees with the referenc
 its other order of sums allows; each is taken only where it composes, and eager again where it cannot
 compile."""
 
+import dataclasses
 import logging
 import warnings
 
@@ -137,9 +138,21 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
             torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64), None, 0.125, False,
             *ops.spec_args(k.spec), *ops.spec_args(v.spec), 0.0, None, None, v.fine_codes, v.fine_scales)  # fmt: skip
     torch.library.opcheck(ops.attention, args)
+    k = PackedKV.from_float(torch.randn(2, 3, 70, 64), dataclasses.replace(DEFAULT.k.for_slots, refine=64))
+    torch.library.opcheck(ops.decode_step, _decode_step_args(k, v, torch.randn(2, 6, 1, 64)))
     # opcheck calls the real kernel on plain tensors too, more than once: the later calls went
     # through the compiled code.
-    assert {reference.encode_refined, reference.encode, cpu_steps._decode_attention} <= set(compiled_steps)
+    assert {reference.encode_refined, reference.encode, cpu_steps._decode_attention, cpu_steps._decode_step} <= set(
+        compiled_steps
+    )  # fmt: skip
+
+
+def _decode_step_args(k, v, q, attn_mask=None):
+    """``kv4::decode_step``'s arguments for one new token after caches ``k`` and ``v``."""
+    k_new, v_new = torch.randn_like(k.residual[:, :, :1]), torch.randn_like(v.residual[:, :, :1])
+    return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, 0.125,
+            *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
+            v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)  # fmt: skip
 
 
 @torch.no_grad()
@@ -161,10 +174,11 @@ def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
             token = out.argmax(-1, keepdim=True)
         caches[enabled] = cache
     assert cpu_steps.enabled
-    # 3 decode steps of 2 layers; a key's first call (the first step's first layer's) runs eagerly, and
-    # K's and V's appends share one (their codecs are equal).
-    assert ran.count(reference.encode_refined) == 2 * 2 * 3 - 1
-    assert ran.count(cpu_steps._decode_attention) == 2 * 3 - 1
+    # 3 decode steps of 2 layers, each layer's attention and appends one graph. A key's first call (the
+    # first step's first layer's) runs the three apart, each its key's first call, so eagerly, but V's
+    # quantization: K's made the copy their codec shares (the codecs are equal).
+    assert ran.count(cpu_steps._decode_step) == 2 * 3 - 1
+    assert ran.count(reference.encode_refined) == 1 and len(ran) == 2 * 3
     # The cache holds the same bits both ways; the logits move by the attention's order of sums only.
     for on, off in zip(caches[True].layers, caches[False].layers):
         for a, b in ((on.keys, off.keys), (on.values, off.values)):
@@ -287,6 +301,32 @@ def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     if mask is not None:
         assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
+
+
+@pytest.mark.parametrize("dtype, mask", [(torch.float32, None), (torch.bfloat16, "bool"), (torch.float16, None)])
+def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_references_bits(compiled_steps, monkeypatch,
+                                                                                          dtype, mask):  # fmt: skip
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, dtype, seed=7)
+    assert k.head.shape[2] and k.offset.shape[2] and k.query_scales is not None and v.fine_codes.shape[2]
+    attn_mask = None
+    if mask is not None:  # row 1 misses its first 5 keys (left padding)
+        attn_mask = torch.ones(3, 1, 1, k.shape[2] + 1, dtype=torch.bool)
+        attn_mask[1, ..., :5] = False
+
+    def step():
+        return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, None, False, 0.0, query=q)
+
+    step()  # a key's first call runs the three apart
+    before = len(compiled_steps)
+    out, k_grown, v_grown = step()
+    assert compiled_steps[before:] == [cpu_steps._decode_step]
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    for grown, appended in ((k_grown, k.append(k_new, query=q)), (v_grown, v.append(v_new))):
+        names = grown.__tensor_flatten__()[0]
+        assert names == appended.__tensor_flatten__()[0] and grown.shape == appended.shape
+        assert all(bits_equal(getattr(grown, name), getattr(appended, name)) for name in names)
 
 
 def test_the_fused_attention_takes_the_cache_length_as_a_symbol(compiled_steps):

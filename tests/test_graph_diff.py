@@ -46,19 +46,20 @@ class GraphDiffTest(expecttest.TestCase):
             """\
 --- graph_1 (fp16)
 +++ graph_1 (kv4)
-@@ -57,2 +57,2 @@
+@@ -57,2 +56,0 @@
 -    keys = torch.cat([cache_layers_0_keys, k_embed], dim = -2)
 -    values = torch.cat([cache_layers_0_values, value_states], dim = -2)
-+    kv4_append = kvpass_graph_ops_kv4_append(cache_layers_0_keys, k_embed, spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', query = q_embed)
-+    kv4_append_1 = kvpass_graph_ops_kv4_append(cache_layers_0_values, value_states, spec = 'int4:token:64:rot:mse:r64')
-@@ -61,2 +61,2 @@
+@@ -61,2 +59,5 @@
 -    attn_output = torch._C._nn.scaled_dot_product_attention(q_embed, keys, values, attn_mask = None, dropout_p = 0.0, scale = 0.125, is_causal = False, enable_gqa = True)
 -    attn_output_1 = attn_output.reshape(1, -1, 1, 64)
-+    kv4_sdpa = kvpass_graph_ops_kv4_sdpa(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', v_spec = 'int4:token:64:rot:mse:r64')
-+    attn_output_1 = kv4_sdpa.reshape(1, -1, 1, 64)
-@@ -93 +93 @@
++    kv4_decode = kvpass_graph_ops_kv4_decode(q_embed, cache_layers_0_keys, k_embed, cache_layers_0_values, value_states, attn_mask = None, scale = 0.125, is_causal = False, k_spec = 'int4:token:64:rot:mse:r64:s4:ctr:qs:dp:qr64', v_spec = 'int4:token:64:rot:mse:r64', query = q_embed)
++    kv4_decode_k = kv4_decode[1]
++    kv4_decode_v = kv4_decode[2]
++    kv4_decode_out = kv4_decode[0]
++    attn_output_1 = kv4_decode_out.reshape(1, -1, 1, 64)
+@@ -93 +94 @@
 -    return (values, keys, logits)
-+    return (kv4_append_1, kv4_append, logits)
++    return (kv4_decode_v, kv4_decode_k, logits)
 """,
         )
 

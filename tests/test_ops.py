@@ -106,6 +106,31 @@ def test_opcheck_with_sinks_and_an_offset():
     torch.library.opcheck(ops.attention, (*args, 0.0, *extra))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype):
+    """A decode step's op: the attention op's result and quantize_refined's of each new token (in the
+    cache's dtype, with its offset), bit for bit."""
+    from kvpass.packed import PackedKV
+
+    k_spec = QuantSpec(4, "token", 64, True, clip=True, refine=56, sinks=4, center=True)
+    v_spec = QuantSpec(4, "token", 32, True, clip=True, refine=64)
+    k = PackedKV.from_float((3 + torch.randn(2, 2, 300, 64)).to(dtype), k_spec)
+    v = PackedKV.from_float(torch.randn(2, 2, 300, 64, dtype=dtype), v_spec)
+    q, k_new, v_new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64, dtype=dtype)
+    mask = torch.rand(2, 1, 1, k.shape[2] + 1) > 0.3
+    stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, mask, 0.125)
+    extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
+    args = (*stored, *ops.refined_codec_args(k_spec), *ops.refined_codec_args(v_spec), *extra)
+    torch.library.opcheck(ops.decode_step, (q, *args))
+    out, *parts = ops.decode_step(q, *args)
+    expected = (
+        ops.attention(q, *stored, False, *ops.spec_args(k_spec), *ops.spec_args(v_spec), *extra),
+        *ops.quantize_refined(k_new.to(dtype), *ops.refined_codec_args(k_spec), k.offset),
+        *ops.quantize_refined(v_new, *ops.refined_codec_args(v_spec), v.offset),
+    )  # fmt: skip
+    assert len(parts) == 8 and all(torch.equal(a, b) for a, b in zip((out, *parts), expected, strict=True))
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 100])
 def test_quantize_refined_is_quantize_and_the_newest_tokens_second_plane(tokens):
     spec = QuantSpec(4, "token", 32, True, clip=True, refine=8)

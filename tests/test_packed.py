@@ -1098,3 +1098,22 @@ def test_keys_stored_rounded_to_nearest_are_simulated_so():
     narrow = PackedKV.from_float(x[..., :16], QUERY_ROUNDED.for_head_dim(16), q[..., :16])
     assert k_spec_as_stored(QUERY_ROUNDED, [rounded, narrow]) == QUERY_ROUNDED
     assert k_spec_as_stored(QUERY_ROUNDED, [rounded, nearest]) == QUERY_SCALED
+
+
+@pytest.mark.parametrize(
+    "specs", [(KVConfig().k, KVConfig().v), (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))],
+    ids=["default-one-op", "kivi-three-ops"],
+)  # fmt: skip
+def test_attend_and_append_is_attention_and_both_appends(specs):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 100, 64, generator=gen)
+    k = PackedKV.from_float(2 + torch.randn(2, 3, 100, 64, generator=gen), specs[0], query=q)
+    v = PackedKV.from_float(torch.randn(2, 3, 100, 64, generator=gen), specs[1])
+    q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen) for heads in (6, 3, 3))
+    assert packed._steps_as_one(q, k, v, k_new, False, q) == bool(specs[0].refine)
+    out, k_grown, v_grown = packed.attend_and_append(q, k, v, k_new, v_new, query=q)
+    assert torch.equal(out, packed.attention(q, k, v, k_new, v_new))
+    for grown, appended in ((k_grown, k.append(k_new, query=q)), (v_grown, v.append(v_new))):
+        names = grown.__tensor_flatten__()[0]
+        assert names == appended.__tensor_flatten__()[0] and grown.shape == appended.shape
+        assert all(torch.equal(getattr(grown, name), getattr(appended, name)) for name in names)
