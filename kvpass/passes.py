@@ -54,6 +54,10 @@ is reported with phase ``latent``: its cache is int4, its read dequantizes the l
 A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA) that did not
 match is not a latent cache: that site stays fp16 with its reason.
 
+A decode site whose appends only its attention and the cache object read becomes one
+``kv4_decode`` (both appends and ``kv4_sdpa``: all three read only the past, and on CPU each call
+costs more than its one token's work); any other keeps the three calls, the reason logged.
+
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
 """
@@ -1074,11 +1078,24 @@ def _appends_with_attention(attn: _Attention, k: _CacheWrite, v: _CacheWrite, sh
     for write in (k, v):
         if write.node in shared.packed or shared.pending[write.node] > 1 or write.fp_readers:
             return f"cache write {write.node.name} has other readers"
-        site = {*attn.nodes, *write.chain, write.reader}
-        late = [u for u in write.node.users if u not in site and u.op != "output"]
+        site = {*attn.nodes, *k.chain, *v.chain, write.reader, *_returned_evictions(write)}
+        # Lengths read for the chain (repeat_kv's expand of a symbolic length) go with it.
+        late = [u for u in write.node.users if u not in site and u.op != "output"
+                and not (_reads_only_shape(u) and _only_feeds(u, site))]  # fmt: skip
         if any(order.get(u, -1) < order[attn.output] for u in late):
             return f"cache write {write.node.name} is read before the attention"
     return ""
+
+
+def _only_feeds(node: fx.Node, nodes: set) -> bool:
+    """Whether every use of ``node``'s value, directly or through ``getitem``, is by ``nodes``."""
+    return all(u in nodes or (u.target is operator.getitem and _only_feeds(u, nodes)) for u in node.users)
+
+
+def _returned_evictions(write: _CacheWrite) -> list[fx.Node]:
+    """A sliding layer's eviction slices of ``write`` that only the graph's output reads: wherever HF
+    slices (before its attention), they can follow the call that appends."""
+    return [e for e in write.evictions if all(user.op == "output" for user in e.users)]
 
 
 def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
@@ -1129,10 +1146,16 @@ def _rewrite_site(
                 packed = graph.call_function(operator.getitem, (step, i))
             packed._rename(f"{step.name}_{role}")
             _copy_meta(write.node, packed)
+            _erase_unread_sizes(graph, write.node)  # the chain's, gone with it
             write.node.replace_all_uses_with(packed)
             shared.packed[write.node] = packed
+            for eviction in _returned_evictions(write):
+                packed.append(eviction)
+                packed = eviction
+        counters["decode_appends_with_attention"] += 1
     elif k.past is not None:
         log.debug("kvpass: site %s appends apart from its attention: %s", attn.output.name, apart)
+        counters["decode_appends_apart"] += 1
     for write, spec in ((k, k_spec), (v, v_spec)) if apart else ():
         # V fills its rows' pads as K does (it needs the mask for that alone), or neither does.
         mask_read = mask if write is k or fills_pads else None

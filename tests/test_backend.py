@@ -465,7 +465,7 @@ def test_layer_index_is_the_last_number_in_the_module_path():
 
 
 @torch.no_grad()
-def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
+def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits(caplog):
     from transformers import AutoModelForCausalLM
 
     from kvpass.coverage import tiny_config
@@ -479,6 +479,7 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     torch._dynamo.reset()
+    caplog.set_level(logging.DEBUG, logger="kvpass")
     backend = kvpass.kv4(k_layer_bits={0: 8})
     step = torch.compile(model, backend=backend)
     out = step(input_ids=_ids(70), past_key_values=DynamicCache(config=config), use_cache=True)
@@ -487,6 +488,9 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits():
     decode = backend.graphs[-1]
     reads = [line for line in decode.after.splitlines() if "kv4_sdpa(" in line and "layers_0_keys" in line]
     assert len(reads) == 2 and all("k_spec = 'int8:" in line for line in reads)  # layers 0 and 2
+    # The writers' appends stay apart from their attention, as other layers read what they write.
+    assert "kv4_decode(" not in decode.after
+    assert re.search(r"appends apart from its attention: cache write \w+ has other readers", caplog.text)
     notes = {site.module: site.reason for site in decode.sites}
     assert "keeps its K spec int8:" in notes["model.layers.2.self_attn"]
     # Layer 0 keeps its own spec; its window (31 tokens kept) is under the 64 a short prompt's K waits for.
@@ -512,15 +516,15 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
 
 
 @torch.no_grad()
-def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing(caplog):
+def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     """HF's sliding layer slices its cache to the window every update; a slice that specialised the
     graph on the cache's length would recompile every decode step until the window is full (Gemma
     3's 512 tokens). The prompt's graph and one decode graph serve until the window is full, then
     the first eviction's graph and one more for every count of sinks left (4, 3, 2, 1, 0; each was
-    a graph before). The layer also reads its cache's length, which the packed cache gives without
-    dequantizing it."""
+    a graph before). Every decode step's appends are one call with its attention: the eviction slices
+    move after it, and the cache length HF reads for repeat_kv's view goes with that view."""
     torch._dynamo.reset()
-    caplog.set_level(logging.DEBUG, logger="kvpass")
+    counted = dict(passes.counters)
     model = sliding_mistral()
     ids = _ids(130, seed=5)
     backend = kvpass.kv4()
@@ -534,6 +538,5 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing(caplo
     assert cache.layers[0].keys.shape[2] == 99 and isinstance(cache.layers[0].keys, PackedKV)
     assert (graphs[70], graphs[98], graphs[99], graphs[100], graphs[129]) == (2, 2, 3, 4, 4)
     assert all(".dequantize()" not in graph.after for graph in backend.graphs)
-    assert any(re.search(r"kv4_append(_\d+)?\.size\(\)", graph.after) for graph in backend.graphs)
-    # The length is read before attention: those appends cannot be one call with it, and the log says so.
-    assert re.search(r"appends apart from its attention: cache write \w+ is read before the attention", caplog.text)
+    assert all("kv4_decode(" in graph.after and "kv4_append" not in graph.after for graph in backend.graphs[1:])
+    assert passes.counters["decode_appends_with_attention"] - counted.get("decode_appends_with_attention", 0) == 3
