@@ -16,6 +16,9 @@ into a few C++ loops:
   and the fp cache is never materialised. Its sums run in another order than the reference's
   matmuls, so it agrees within the fused kernels' tolerances, as the Triton kernel does; kvpass's
   measurements keep the reference (:func:`reference_attention`).
+- **A layer's step** (:func:`decode_step`): the attention and both new tokens' quantization as one
+  graph, where the model's graph calls them together (``kv4::decode_step``): a compiled call's
+  wrappers cost more than one token's work, so one call a layer, not three.
 
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
 but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),

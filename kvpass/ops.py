@@ -5,6 +5,8 @@ on device. CPU runs :mod:`kvpass.reference` (a decode step's quantization and at
 by Inductor, :mod:`kvpass.cpu_steps`); CUDA runs the Triton kernels of
 ``kvpass.kernels`` when Triton is importable, else the same reference (which also serves
 specs whose groups span heads, ``QuantSpec.span_heads``: test-size heads only).
+``kv4::decode_step`` is a layer's decode attention and both appends' quantization in one op: on
+CPU one compiled graph, on CUDA the other ops' kernels in turn.
 
 A :class:`~kvpass.config.QuantSpec` crosses the op boundary as six scalars
 (``bits, scheme, group, rotate, symmetric, span_heads``) because custom-op schemas take no

@@ -1075,16 +1075,24 @@ def _appends_with_attention(attn: _Attention, k: _CacheWrite, v: _CacheWrite, sh
         return "K and V are one tensor"
     if attn.sink is not None or k.extra is not None or v.extra is not None or v.heads is not None:
         return "attention reads other new tokens than the appends store"
+    site = {*attn.nodes, *k.chain, *v.chain}
+    # The call replaces the whole attention, views of the cache included: none may outlive it.
+    for node in site - {attn.output}:
+        if any(_outside(user, site) for user in node.users):
+            return f"{node.name}, of its attention, is read elsewhere too"
     for write in (k, v):
         if write.node in shared.packed or shared.pending[write.node] > 1 or write.fp_readers:
             return f"cache write {write.node.name} has other readers"
-        site = {*attn.nodes, *k.chain, *v.chain, write.reader, *_returned_evictions(write)}
-        # Lengths read for the chain (repeat_kv's expand of a symbolic length) go with it.
-        late = [u for u in write.node.users if u not in site and u.op != "output"
-                and not (_reads_only_shape(u) and _only_feeds(u, site))]  # fmt: skip
+        late = [u for u in write.node.users if u.op != "output" and _outside(u, {*site, *_returned_evictions(write)})]
         if any(order.get(u, -1) < order[attn.output] for u in late):
             return f"cache write {write.node.name} is read before the attention"
     return ""
+
+
+def _outside(user: fx.Node, site: set) -> bool:
+    """Whether ``user`` reads a node of ``site`` for more than ``site``: lengths read only for it
+    (``repeat_kv``'s expand of a symbolic length) go with it."""
+    return user not in site and not (_reads_only_shape(user) and _only_feeds(user, site))
 
 
 def _only_feeds(node: fx.Node, nodes: set) -> bool:
