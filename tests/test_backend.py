@@ -540,3 +540,25 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     assert all(".dequantize()" not in graph.after for graph in backend.graphs)
     assert all("kv4_decode(" in graph.after and "kv4_append" not in graph.after for graph in backend.graphs[1:])
     assert passes.counters["decode_appends_with_attention"] - counted.get("decode_appends_with_attention", 0) == 3
+
+
+@torch.no_grad()
+def test_an_attention_whose_scores_are_read_elsewhere_keeps_its_appends_apart(caplog):
+    """Granite-SWA's eager attention also sends its scores to a log-sum-exp: the attention's nodes, the
+    cache's views among them, outlive the fused op, so its appends cannot be one call with it."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpass.coverage import tiny_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("granite_swa")).eval()
+    torch._dynamo.reset()
+    caplog.set_level(logging.DEBUG, logger="kvpass")
+    backend = kvpass.kv4()
+    step, cache = torch.compile(model, backend=backend), DynamicCache(config=model.config)
+    step(input_ids=_ids(70), past_key_values=cache, use_cache=True)
+    step(input_ids=_ids(1), past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[0].keys, PackedKV) and all(site.rewritten for site in backend.graphs[-1].sites)
+    assert "kv4_append(" in backend.graphs[-1].after and "kv4_decode(" not in backend.graphs[-1].after
+    assert re.search(r"appends apart from its attention: \w+, of its attention, is read elsewhere too", caplog.text)
