@@ -149,7 +149,7 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
 
 def _decode_step_args(k, v, q, attn_mask=None):
     """``kv4::decode_step``'s arguments for one new token after caches ``k`` and ``v``."""
-    k_new, v_new = torch.randn_like(k.residual[:, :, :1]), torch.randn_like(v.residual[:, :, :1])
+    k_new, v_new = (torch.randn(*t.shape[:2], 1, t.shape[-1], dtype=t.dtype) for t in (k.residual, v.residual))
     return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, 0.125,
             *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
             v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)  # fmt: skip
