@@ -2,8 +2,8 @@
 
 On CPU a ``kv4::`` op runs :mod:`kvpass.reference`, a hundred or more small torch calls, and a
 decode step appends one token and attends with one query, so the calls' fixed cost is most of the
-step (SmolLM2: 60 appends and 30 attentions a step; ``docs/bench-decode.md``). Inductor turns them
-into a few C++ loops:
+step (SmolLM2: 60 appends and 30 attentions a step, 30 calls in all since a layer's are one;
+``docs/bench-decode.md``). Inductor turns them into a few C++ loops:
 
 - **Quantization** (:func:`encode`, :func:`encode_refined`): the reference's own functions, compiled,
   and the same numbers: the clipped scale search sums integers (exact in any order) and Inductor's

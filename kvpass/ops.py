@@ -391,9 +391,10 @@ def call(op, *args):
     dispatcher would only hand the call to the op's CPU kernel (plain CPU tensors, none requiring
     grad, no trace, dispatch mode or torch-function mode), the kernel is called directly: the
     dispatcher's Python layers (autograd, backend, a Dynamo-disable context, an aliasing check) cost
-    ~50 us a call, and a SmolLM2 decode step makes 90 of them. Traced, fake and checked calls
-    (``opcheck``) reach the op, and so does a tensor requiring grad, whose output the op marks as
-    having no backward (the kernel alone would record the reference's autograd graph)."""
+    ~50 us a call, and a SmolLM2 decode step makes 30 of them (one ``decode_step`` a layer). Traced,
+    fake and checked calls (``opcheck``) reach the op, and so does a tensor requiring grad, whose
+    output the op marks as having no backward (the kernel alone would record the reference's autograd
+    graph)."""
     kernel = _CPU_KERNELS.get(op)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if (kernel is not None and not torch._C._is_torch_function_mode_enabled()
