@@ -370,10 +370,10 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @decode_step.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, *rest):
     n = _REFINED_ARGS
-    k_args, v_args, (softcap, *extra) = rest[:n], rest[n : 2 * n], rest[2 * n :]
-    k_head, k_offset, v_head, v_offset = extra[4:]
+    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset) = rest[:n], rest[n : 2 * n], rest[2 * n :]
     out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
-                    False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *extra)  # fmt: skip
+                    False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *planes, k_head, k_offset, v_head,
+                    v_offset)  # fmt: skip
     k_stored = quantize_refined(k_new.to(k_residual.dtype), *k_args, k_offset)
     v_stored = quantize_refined(v_new.to(v_residual.dtype), *v_args, v_offset)
     return out, *k_stored, *v_stored

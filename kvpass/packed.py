@@ -300,7 +300,7 @@ class PackedKV(torch.Tensor):
         # The op computes the plane for the newest min(T, refine) new tokens (older new tokens
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
-        stored = ops.call(ops.quantize_refined, new, *ops.codec_args(self.spec), self.spec.refine, offset, rounding)
+        stored = ops.call(ops.quantize_refined, new, *ops.refined_codec_args(self.spec), offset, rounding)
         return self._refined_extended(stored, head, offset, query_scales, filled)
 
     def _refined_extended(self, stored, head, offset, query_scales, filled) -> PackedKV:

@@ -469,9 +469,7 @@ def _replace_cache_write(
     shape_readers = [user for user in write.node.users if _reads_only_shape(user)]
     _give_fp_readers(graph, write)
     with graph.inserting_before(write.node):
-        kwargs = {"spec": spec.tag, **({"query": query} if query is not None else {}),
-                  **({"mask": mask} if mask is not None else {}),
-                  **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
+        kwargs = {"spec": spec.tag, **_append_kwargs(query, mask, fills_pads)}
         if write.past is None:
             packed = graph.call_function(graph_ops.kv4_pack, (write.new,), kwargs)
         else:
@@ -483,6 +481,12 @@ def _replace_cache_write(
         if user.op == "output" or user in write.evictions or user in shape_readers:
             user.replace_input_with(write.node, packed)  # the packed cache has the fp one's shape
     packed_writes[write.node] = packed
+
+
+def _append_kwargs(query: fx.Node | None, mask: fx.Node | None, fills_pads: bool) -> dict:
+    """A write's keywords beyond its spec (``kv4_pack``, ``kv4_append``, ``kv4_decode``), those it has."""
+    return {**({"query": query} if query is not None else {}), **({"mask": mask} if mask is not None else {}),
+            **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
 
 
 def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
@@ -1100,6 +1104,27 @@ def _only_feeds(node: fx.Node, nodes: set) -> bool:
     return all(u in nodes or (u.target is operator.getitem and _only_feeds(u, nodes)) for u in node.users)
 
 
+def _append_with_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, specs,
+                           shared: _SharedWrites, appends: dict) -> None:  # fmt: skip
+    """Replace a decode site's attention and both cache writes by one ``kv4_decode``, whose outputs 1
+    and 2 (``kv4_decode_k``, ``kv4_decode_v``) the writes' readers get; ``appends``: K's append keywords."""
+    step = _fused_attention(graph, attn, k, v, k.past, v.past, specs, appends)
+    last = step
+    for i, (write, role) in enumerate(((k, "k"), (v, "v")), 1):
+        with graph.inserting_after(last):
+            packed = graph.call_function(operator.getitem, (step, i))
+        packed._rename(f"{step.name}_{role}")
+        _copy_meta(write.node, packed)
+        _erase_unread_sizes(graph, write.node)  # the chain's, gone with it
+        write.node.replace_all_uses_with(packed)
+        shared.packed[write.node] = packed
+        last = packed
+        for eviction in _returned_evictions(write):  # HF slices before its attention: after the call now
+            last.append(eviction)
+            last = eviction
+    counters["decode_appends_with_attention"] += 1
+
+
 def _returned_evictions(write: _CacheWrite) -> list[fx.Node]:
     """A sliding layer's eviction slices of ``write`` that only the graph's output reads: wherever HF
     slices (before its attention), they can follow the call that appends."""
@@ -1143,38 +1168,24 @@ def _rewrite_site(
         _fused_attention(graph, attn, k, v, k_read, v_read, specs)
         return "static"
     k_spec, v_spec = _site_specs(k, v, config)
-    apart = "prefill" if k.past is None else _appends_with_attention(attn, k, v, shared, order)
-    if not apart:
-        appends = {**({"query": query} if query is not None else {}), **({"mask": mask} if mask is not None else {}),
-                   **({"fills_pads": True} if fills_pads else {})}  # fmt: skip
-        step = _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec), appends)
-        packed = step
-        for i, (write, role) in enumerate(((k, "k"), (v, "v")), 1):
-            with graph.inserting_after(packed):
-                packed = graph.call_function(operator.getitem, (step, i))
-            packed._rename(f"{step.name}_{role}")
-            _copy_meta(write.node, packed)
-            _erase_unread_sizes(graph, write.node)  # the chain's, gone with it
-            write.node.replace_all_uses_with(packed)
-            shared.packed[write.node] = packed
-            for eviction in _returned_evictions(write):
-                packed.append(eviction)
-                packed = eviction
-        counters["decode_appends_with_attention"] += 1
-    elif k.past is not None:
-        log.debug("kvpass: site %s appends apart from its attention: %s", attn.output.name, apart)
-        counters["decode_appends_apart"] += 1
-    for write, spec in ((k, k_spec), (v, v_spec)) if apart else ():
-        # V fills its rows' pads as K does (it needs the mask for that alone), or neither does.
-        mask_read = mask if write is k or fills_pads else None
-        _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None, mask_read, fills_pads)
     prefill = k.past is None
-    if prefill:
-        # Attention over an empty past is attention over the new tokens, kept exact.
-        for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
-            (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
-    elif apart:
-        _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec))
+    apart = "" if prefill else _appends_with_attention(attn, k, v, shared, order)
+    if not prefill and not apart:
+        _append_with_attention(graph, attn, k, v, (k_spec, v_spec), shared, _append_kwargs(query, mask, fills_pads))
+    else:
+        if apart:
+            log.debug("kvpass: site %s appends apart from its attention: %s", attn.output.name, apart)
+            counters["decode_appends_apart"] += 1
+        for write, spec in ((k, k_spec), (v, v_spec)):
+            # V fills its rows' pads as K does (it needs the mask for that alone), or neither does.
+            mask_read = mask if write is k or fills_pads else None
+            _replace_cache_write(graph, write, spec, shared.packed, query if write is k else None, mask_read, fills_pads)
+        if prefill:
+            # Attention over an empty past is attention over the new tokens, kept exact.
+            for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
+                (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
+        else:
+            _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec))
     for write in (k, v):
         shared.pending[write.node] -= 1
         if shared.pending[write.node]:

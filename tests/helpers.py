@@ -106,6 +106,13 @@ def bits_equal(a, b):
     return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
 
 
+def same_stored_bits(a, b) -> bool:
+    """Whether PackedKV caches ``a`` and ``b`` hold the same inner tensors, bit for bit, and shape."""
+    names = a.__tensor_flatten__()[0]
+    return (names == b.__tensor_flatten__()[0] and a.shape == b.shape
+            and all(bits_equal(getattr(a, name), getattr(b, name)) for name in names))  # fmt: skip
+
+
 def hub_cache(root, monkeypatch, repo_id: str, commit: str = "0" * 40):
     """A local Hugging Face cache under ``root`` (made the process's) holding ``repo_id``'s ``main``
     at ``commit``, laid out as the hub client writes it; returns the snapshot directory."""

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from kvpass import cpu_steps, ops, packed, reference
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
-from tests.helpers import bits_equal, hard_values, kv_heavy_llama
+from tests.helpers import bits_equal, hard_values, kv_heavy_llama, same_stored_bits
 
 DEFAULT = KVConfig()
 
@@ -147,10 +147,10 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
     )  # fmt: skip
 
 
-def _decode_step_args(k, v, q, attn_mask=None):
+def _decode_step_args(k, v, q):
     """``kv4::decode_step``'s arguments for one new token after caches ``k`` and ``v``."""
     k_new, v_new = (torch.randn(*t.shape[:2], 1, t.shape[-1], dtype=t.dtype) for t in (k.residual, v.residual))
-    return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, 0.125,
+    return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, None, 0.125,
             *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
             v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)  # fmt: skip
 
@@ -181,10 +181,7 @@ def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
     assert ran.count(reference.encode_refined) == 1 and len(ran) == 2 * 3
     # The cache holds the same bits both ways; the logits move by the attention's order of sums only.
     for on, off in zip(caches[True].layers, caches[False].layers):
-        for a, b in ((on.keys, off.keys), (on.values, off.values)):
-            names = a.__tensor_flatten__()[0]
-            assert names == b.__tensor_flatten__()[0]
-            assert all(bits_equal(getattr(a, name), getattr(b, name)) for name in names)
+        assert same_stored_bits(on.keys, off.keys) and same_stored_bits(on.values, off.values)
     for a, b in zip(logits[True], logits[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -323,10 +320,7 @@ def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_refere
     monkeypatch.setattr(cpu_steps, "enabled", False)
     expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
-    for grown, appended in ((k_grown, k.append(k_new, query=q)), (v_grown, v.append(v_new))):
-        names = grown.__tensor_flatten__()[0]
-        assert names == appended.__tensor_flatten__()[0] and grown.shape == appended.shape
-        assert all(bits_equal(getattr(grown, name), getattr(appended, name)) for name in names)
+    assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
 
 
 def test_the_fused_attention_takes_the_cache_length_as_a_symbol(compiled_steps):
