@@ -131,22 +131,25 @@ def check_quantize_refined() -> bool:
 
 def check_decode_step() -> bool:
     """``kv4::decode_step`` on CUDA (a layer's attention and both appends in one op) against the three
-    calls it stands for, on the same caches: equal, as it calls the same kernels."""
+    calls it stands for, on the same caches: equal, as it calls the same kernels. The default's caches
+    and the same without a second plane (``refine=0``: quantize's launch, empty planes)."""
     from kvpass import packed
     from kvpass.packed import PackedKV
 
     ok = True
-    for dtype in (torch.float16, torch.bfloat16):
+    unrefined = tuple(dataclasses.replace(spec, refine=0) for spec in DEFAULT)
+    for specs, dtype in ((DEFAULT, torch.float16), (DEFAULT, torch.bfloat16), (unrefined, torch.float16)):
         q = torch.randn(2, 24, 300, 128, device="cuda", dtype=dtype)
-        k = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), DEFAULT[0], query=q)
-        v = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), DEFAULT[1])
+        k = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), specs[0], query=q)
+        v = PackedKV.from_float(torch.randn(2, 8, 300, 128, device="cuda", dtype=dtype), specs[1])
         q, k_new, v_new = (torch.randn(2, heads, 1, 128, device="cuda", dtype=dtype) for heads in (24, 8, 8))
+        assert packed._steps_as_one(q, k, v, k_new, False, q)
         out, k_grown, v_grown = packed.attend_and_append(q, k, v, k_new, v_new, query=q)
         same = torch.equal(out, packed.attention(q, k, v, k_new, v_new))
         for grown, appended in ((k_grown, k.append(k_new, query=q)), (v_grown, v.append(v_new))):
             same &= all(torch.equal(getattr(grown, n), getattr(appended, n)) for n in grown.__tensor_flatten__()[0])
         ok &= same
-        print(f"decode_step {str(dtype)[6:]:8} {'ok' if same else 'MISMATCH'}")
+        print(f"decode_step {str(dtype)[6:]:8} refine {specs[1].refine:<3} {'ok' if same else 'MISMATCH'}")
     return ok
 
 

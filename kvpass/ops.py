@@ -149,6 +149,9 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offse
 @quantize_refined.register_kernel("cuda")
 def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
+    if not refine:  # a plane of 0 rows: quantize's launch alone
+        layout = (bits, scheme, group, rotate, symmetric, span_heads)
+        return *quantize(x, *layout, clip, offset, rounding), *_stored_like(x[:, :, :0], *layout)
     kernels = _kernels_for(spec)
     if kernels is not None and scheme == "token" and symmetric:
         # The codes and the plane in one launch: a decode step's append pays launches, not work.
@@ -299,7 +302,8 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 
 
 def refined_codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool, bool, int]:
-    """What writing a refined ``spec`` needs (``decode_step``): :func:`codec_args` and ``refine``."""
+    """What :func:`quantize_refined` and :func:`decode_step` take to write ``spec``: :func:`codec_args`
+    and ``refine`` (0: no second plane)."""
     return (*codec_args(spec), spec.refine)
 
 
@@ -342,9 +346,10 @@ def _decode_step_on_cpu(
     v_offset: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One decode step of a layer whose K and V are refined (``QuantSpec.refine``): :func:`attention`
-    over the stored past and the new tokens (not causal), and :func:`quantize_refined` of each new token
-    in its cache's dtype with its cache's offset: ``(out, *k_stored, *v_stored)``, each four tensors.
+    """One decode step of a layer whose K and V are quantized a token at a time (``QuantSpec.tokens_apart``):
+    :func:`attention` over the stored past and the new tokens (not causal), and :func:`quantize_refined`
+    of each new token in its cache's dtype with its cache's offset (``refine`` 0: no second plane, 0 rows
+    of it): ``(out, *k_stored, *v_stored)``, each four tensors.
     One op, not three: the work is one token's, and on CPU each call costs more than its work
     (:func:`kvpass.cpu_steps.decode_step` compiles the three as one graph)."""
     return cpu_steps.decode_step(

@@ -301,16 +301,19 @@ class PackedKV(torch.Tensor):
         # never carry it): bounded by refine, not by the cache's length, so decode graphs need
         # no guard on that length.
         stored = ops.call(ops.quantize_refined, new, *ops.refined_codec_args(self.spec), offset, rounding)
-        return self._refined_extended(stored, head, offset, query_scales, filled)
+        return self._extended_by(stored, head, offset, query_scales, filled)
 
-    def _refined_extended(self, stored, head, offset, query_scales, filled) -> PackedKV:
-        """This cache followed by new tokens ``stored`` as ``kv4::quantize_refined`` returns them."""
+    def _extended_by(self, stored, head, offset, query_scales, filled) -> PackedKV:
+        """This per-token cache followed by new tokens ``stored`` as ``kv4::quantize_refined`` returns
+        them (an unrefined spec's second planes, of 0 rows, are dropped)."""
         codes, scales, *new_planes = stored
-        # Counted over every token the cache holds, sinks too: K's plane then changes length at the
-        # same steps as V's, and decode graphs mark both dynamic at once.
-        held = _head_len(head) + self.codes.shape[2] + codes.shape[2]  # a refined spec's codes: a row a token
-        n_fine = reference.refined_tokens(self.spec, held, self.shape[-1], _head_len(head), offset)
-        fine = tuple(_newest_rows(old, new, n_fine) for old, new in zip(self._fine_planes(), new_planes))
+        fine = None
+        if self.spec.refine:
+            # Counted over every token the cache holds, sinks too: K's plane then changes length at the
+            # same steps as V's, and decode graphs mark both dynamic at once.
+            held = _head_len(head) + self.codes.shape[2] + codes.shape[2]  # per-token codes: a row a token
+            n_fine = reference.refined_tokens(self.spec, held, self.shape[-1], _head_len(head), offset)
+            fine = tuple(_newest_rows(old, new, n_fine) for old, new in zip(self._fine_planes(), new_planes))
         return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, filled)
 
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
@@ -1040,8 +1043,9 @@ def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale,
 def _steps_as_one(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor, is_causal: bool,
                   query: torch.Tensor | None) -> bool:  # fmt: skip
     """Whether :func:`attend_and_append` is one ``kv4::decode_step``: a decode step (one query, one new
-    token, not causal) of two refined caches past their first append, neither rounding it."""
-    return (q.shape[2] == 1 and k_new.shape[2] == 1 and not is_causal and bool(k.spec.refine and v.spec.refine)
+    token, not causal) of two per-token caches (``QuantSpec.tokens_apart``) past their first append,
+    neither rounding it."""
+    return (q.shape[2] == 1 and k_new.shape[2] == 1 and not is_causal and k.spec.tokens_apart and v.spec.tokens_apart
             and not (k._is_empty or v._is_empty) and not (query is not None and k.spec.rounds(query.shape[2])))  # fmt: skip
 
 
@@ -1051,7 +1055,7 @@ def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Te
                       fills_pads: bool = False) -> tuple[torch.Tensor, PackedKV, PackedKV]:  # fmt: skip
     """``(attention(q, k, v, k_new, v_new, ...), k.append(k_new, query, pads, fills_pads), v.append(v_new, ...))``:
     a layer's attention and both appends, which read only the past (V gets the ``pads`` to fill them).
-    A decode step of two refined caches is one op call (``kv4::decode_step``), the rest the three calls."""
+    A decode step of two per-token caches is one op call (``kv4::decode_step``), the rest the three calls."""
     if not _steps_as_one(q, k, v, k_new, is_causal, query):
         k_grown = k.append(k_new, query, pads, fills_pads)
         # V needs the pads only to fill them (K's statistics skip them).
@@ -1066,8 +1070,8 @@ def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Te
         scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest,
     )  # fmt: skip
     # The new key went in as attention reads it, scaled by K's query scales, as an append stores it.
-    k_grown = k._refined_extended(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)
-    v_grown = v._refined_extended(stored[4:], v.head, v.offset, v.query_scales, v.filled_pads)
+    k_grown = k._extended_by(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)
+    v_grown = v._extended_by(stored[4:], v.head, v.offset, v.query_scales, v.filled_pads)
     return out, _marked_growing(k_grown), _marked_growing(v_grown)
 
 

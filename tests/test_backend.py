@@ -16,7 +16,8 @@ from kvpass import passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
-from tests.helpers import cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes, sliding_mistral
+from tests.helpers import (cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes, same_stored_bits,
+                           sliding_mistral)
 
 
 def _ids(n, batch=1, seed=0):
@@ -540,6 +541,33 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     assert all(".dequantize()" not in graph.after for graph in backend.graphs)
     assert all("kv4_decode(" in graph.after and "kv4_append" not in graph.after for graph in backend.graphs[1:])
     assert passes.counters["decode_appends_with_attention"] - counted.get("decode_appends_with_attention", 0) == 3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("head_dim, settings", [(16, {}), (64, {"refine": 0})], ids=["head-dim-16", "refine-0"])
+def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, head_dim, settings):
+    """Per-token caches without a second code plane (heads under 32 channels, or refine=0) take one
+    kv4::decode_step a layer too, storing what the three calls store."""
+    from kvpass import cpu_steps, packed
+
+    k_specs = []
+    decode_step = cpu_steps.decode_step
+    monkeypatch.setattr(cpu_steps, "decode_step", lambda *args: k_specs.append(args[11]) or decode_step(*args))
+    model, ids = kv_heavy_llama(head_dim=head_dim), _ids(73, seed=2)
+    runs = {}
+    for one_op in (True, False):
+        if not one_op:
+            monkeypatch.setattr(packed, "_steps_as_one", lambda *args: False)
+        torch._dynamo.reset()
+        step, cache = torch.compile(model, backend=kvpass.kv4(**settings)), DynamicCache()
+        logits = [step(input_ids=ids[:, :70], past_key_values=cache, use_cache=True).logits]
+        logits += [step(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(70, 73)]
+        runs[one_op] = logits, cache
+    assert len(k_specs) == 2 * 3 and not any(spec.refine for spec in k_specs)  # 3 decode steps of 2 layers
+    (logits, cache), (apart_logits, apart_cache) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(logits, apart_logits))
+    for one, three in zip(cache.layers, apart_cache.layers):
+        assert same_stored_bits(one.keys, three.keys) and same_stored_bits(one.values, three.values)
 
 
 @torch.no_grad()

@@ -65,11 +65,12 @@ def test_memory_subprocess_and_table(tmp_path):
 
 
 def test_decode_grid_reports_ratios_to_fp():
-    rows = decode.run_grid(["fp", "kv4", "kv4-qr"], [128], warmup=2, steps=3, sizes=TINY, chunk=64)
+    rows = decode.run_grid(["fp", "kv4", "kv4-qr", "kv4-r0"], [128], warmup=2, steps=3, sizes=TINY, chunk=64)
     torch._dynamo.reset()
     by = {r["method"]: r for r in rows}
-    assert "error" not in by["kv4"] and "error" not in by["kv4-qr"], (by["kv4"], by["kv4-qr"])
+    assert not any("error" in by[m] for m in ("kv4", "kv4-qr", "kv4-r0")), rows
     assert by["kv4-qr"]["stored_bytes"] == by["kv4"]["stored_bytes"]  # query rounding costs no bytes
+    assert by["kv4-r0"]["stored_bytes"] < by["kv4"]["stored_bytes"]  # no second plane
     assert by["fp"]["ratio_fp"] == 1.0
     assert by["kv4"]["median_ms"] > 0 and by["kv4"]["ratio_fp"] > 0
     # What kv4 stores after a prompt and the decode steps is what `kvpass estimate` costs for one

@@ -300,11 +300,22 @@ def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps
         assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
 
 
-@pytest.mark.parametrize("dtype, mask", [(torch.float32, None), (torch.bfloat16, "bool"), (torch.float16, None)])
+# Unrefined per-token caches (no second plane): K rotated with fp sinks and an offset, V asymmetric int8.
+UNREFINED = (QuantSpec(4, "token", 32, rotate=True, clip=True, sinks=4, center=True),
+             QuantSpec(8, "token", 64, symmetric=False))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "specs, dtype, mask",
+    [((DEFAULT.k, DEFAULT.v), torch.float32, None), ((DEFAULT.k, DEFAULT.v), torch.bfloat16, "bool"),
+     ((DEFAULT.k, DEFAULT.v), torch.float16, None), (UNREFINED, torch.float32, None), (UNREFINED, torch.bfloat16, "bool")],
+    ids=["default-fp32", "default-bf16-mask", "default-fp16", "unrefined-fp32", "unrefined-bf16-mask"],
+)  # fmt: skip
 def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_references_bits(compiled_steps, monkeypatch,
-                                                                                          dtype, mask):  # fmt: skip
-    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, dtype, seed=7)
-    assert k.head.shape[2] and k.offset.shape[2] and k.query_scales is not None and v.fine_codes.shape[2]
+                                                                                          specs, dtype, mask):  # fmt: skip
+    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=7)
+    assert k.head.shape[2] and k.offset.shape[2]
+    assert (k.query_scales is not None and v.fine_codes.shape[2]) if specs[1].refine else v.fine_codes is None
     attn_mask = None
     if mask is not None:  # row 1 misses its first 5 keys (left padding)
         attn_mask = torch.ones(3, 1, 1, k.shape[2] + 1, dtype=torch.bool)

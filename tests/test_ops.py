@@ -106,14 +106,14 @@ def test_opcheck_with_sinks_and_an_offset():
     torch.library.opcheck(ops.attention, (*args, 0.0, *extra))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype):
+@pytest.mark.parametrize("dtype, refined", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)])
+def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype, refined):
     """A decode step's op: the attention op's result and quantize_refined's of each new token (in the
-    cache's dtype, with its offset), bit for bit."""
+    cache's dtype, with its offset), bit for bit; unrefined specs get quantize's and empty planes."""
     from kvpass.packed import PackedKV
 
-    k_spec = QuantSpec(4, "token", 64, True, clip=True, refine=56, sinks=4, center=True)
-    v_spec = QuantSpec(4, "token", 32, True, clip=True, refine=64)
+    k_spec = QuantSpec(4, "token", 64, True, clip=True, refine=56 * refined, sinks=4, center=True)
+    v_spec = QuantSpec(4, "token", 32, True, clip=True, refine=64 * refined)
     k = PackedKV.from_float((3 + torch.randn(2, 2, 300, 64)).to(dtype), k_spec)
     v = PackedKV.from_float(torch.randn(2, 2, 300, 64, dtype=dtype), v_spec)
     q, k_new, v_new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64, dtype=dtype)
@@ -129,6 +129,9 @@ def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype):
         *ops.quantize_refined(v_new, *ops.refined_codec_args(v_spec), v.offset),
     )  # fmt: skip
     assert len(parts) == 8 and all(torch.equal(a, b) for a, b in zip((out, *parts), expected, strict=True))
+    if not refined:
+        assert all(torch.equal(a, b) for a, b in zip(parts[:2], ops.quantize(k_new, *ops.codec_args(k_spec), k.offset)))
+        assert parts[2].shape[2] == parts[3].shape[2] == parts[6].shape[2] == parts[7].shape[2] == 0
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 100])

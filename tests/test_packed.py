@@ -1102,16 +1102,24 @@ def test_keys_stored_rounded_to_nearest_are_simulated_so():
 
 
 @pytest.mark.parametrize(
-    "specs", [(KVConfig().k, KVConfig().v), (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))],
-    ids=["default-one-op", "kivi-three-ops"],
+    "specs, head_dim, one_op",
+    [
+        ((KVConfig().k, KVConfig().v), 64, True),
+        # Unrefined per-token caches: the op's second planes come back empty and are dropped.
+        ((QuantSpec(4, "token", 32, sinks=4, center=True), QuantSpec(8, "token", 64, symmetric=False)), 64, True),
+        ((KVConfig().k.for_head_dim(16), KVConfig().v.for_head_dim(16)), 16, True),  # groups spanning heads
+        ((QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128)), 64, False),
+        ((QuantSpec(4, "token", 64, window=16), QuantSpec(4, "token", 64)), 64, False),
+    ],
+    ids=["default", "unrefined-sinks-int8-asym", "head-dim-16", "kivi-three-ops", "window-three-ops"],
 )  # fmt: skip
-def test_attend_and_append_is_attention_and_both_appends(specs):
+def test_attend_and_append_is_attention_and_both_appends(specs, head_dim, one_op):
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 6, 100, 64, generator=gen)
-    k = PackedKV.from_float(2 + torch.randn(2, 3, 100, 64, generator=gen), specs[0], query=q)
-    v = PackedKV.from_float(torch.randn(2, 3, 100, 64, generator=gen), specs[1])
-    q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen) for heads in (6, 3, 3))
-    assert packed._steps_as_one(q, k, v, k_new, False, q) == bool(specs[0].refine)
+    q = torch.randn(2, 6, 100, head_dim, generator=gen)
+    k = PackedKV.from_float(2 + torch.randn(2, 3, 100, head_dim, generator=gen), specs[0], query=q)
+    v = PackedKV.from_float(torch.randn(2, 3, 100, head_dim, generator=gen), specs[1])
+    q, k_new, v_new = (torch.randn(2, heads, 1, head_dim, generator=gen) for heads in (6, 3, 3))
+    assert packed._steps_as_one(q, k, v, k_new, False, q) == one_op
     out, k_grown, v_grown = packed.attend_and_append(q, k, v, k_new, v_new, query=q)
     assert torch.equal(out, packed.attention(q, k, v, k_new, v_new))
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))

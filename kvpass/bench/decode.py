@@ -9,8 +9,9 @@ report their median (and the 10-90% range). Ratios are to the ``fp`` (eager
 Methods: ``fp`` (eager DynamicCache), ``fp-compiled`` (``torch.compile(backend="eager")``
 over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), ``kv4``
 (``torch.compile(model, backend=kvpass.kv4())``, default settings), ``kv4-qr`` (the same with
-``k_query_rounded=True``), ``kv4-inductor`` (the same with ``inner="inductor"``: the rest of the
-model compiled by Inductor too), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
+``k_query_rounded=True``), ``kv4-r0`` (the same with ``refine=0``: no second code plane),
+``kv4-inductor`` (the same with ``inner="inductor"``: the rest of the model compiled by Inductor
+too), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
 
 ``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
@@ -34,10 +35,10 @@ from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
-_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "kv4-inductor": "kv4",
+_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "kv4-r0": "kv4", "kv4-inductor": "kv4",
         "quanto": "quanto"}  # fmt: skip
 # kvpass.kv4 settings of the kv4 methods other than the default.
-_KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-inductor": dict(inner="inductor")}
+_KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-r0": dict(refine=0), "kv4-inductor": dict(inner="inductor")}
 
 
 def _pack(cache, backend_config, query_heads: int):
