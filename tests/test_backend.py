@@ -561,7 +561,8 @@ def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, hea
         torch._dynamo.reset()
         step, cache = torch.compile(model, backend=kvpass.kv4(**settings)), DynamicCache()
         logits = [step(input_ids=ids[:, :70], past_key_values=cache, use_cache=True).logits]
-        logits += [step(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(70, 73)]
+        for token in range(70, 73):
+            logits.append(step(input_ids=ids[:, token : token + 1], past_key_values=cache, use_cache=True).logits)
         runs[one_op] = logits, cache
     assert len(k_specs) == 2 * 3 and not any(spec.refine for spec in k_specs)  # 3 decode steps of 2 layers
     (logits, cache), (apart_logits, apart_cache) = runs[True], runs[False]

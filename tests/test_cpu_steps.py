@@ -308,7 +308,8 @@ UNREFINED = (QuantSpec(4, "token", 32, rotate=True, clip=True, sinks=4, center=T
 @pytest.mark.parametrize(
     "specs, dtype, mask",
     [((DEFAULT.k, DEFAULT.v), torch.float32, None), ((DEFAULT.k, DEFAULT.v), torch.bfloat16, "bool"),
-     ((DEFAULT.k, DEFAULT.v), torch.float16, None), (UNREFINED, torch.float32, None), (UNREFINED, torch.bfloat16, "bool")],
+     ((DEFAULT.k, DEFAULT.v), torch.float16, None), (UNREFINED, torch.float32, None),
+     (UNREFINED, torch.bfloat16, "bool")],
     ids=["default-fp32", "default-bf16-mask", "default-fp16", "unrefined-fp32", "unrefined-bf16-mask"],
 )  # fmt: skip
 def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_references_bits(compiled_steps, monkeypatch,

@@ -35,8 +35,8 @@ from kvpass import arguments
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
-_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "kv4-r0": "kv4", "kv4-inductor": "kv4",
-        "quanto": "quanto"}  # fmt: skip
+_HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4", "kv4-r0": "kv4",
+        "kv4-inductor": "kv4", "quanto": "quanto"}  # fmt: skip
 # kvpass.kv4 settings of the kv4 methods other than the default.
 _KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-r0": dict(refine=0), "kv4-inductor": dict(inner="inductor")}
 
