@@ -552,7 +552,12 @@ def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, hea
 
     k_specs = []
     decode_step = cpu_steps.decode_step
-    monkeypatch.setattr(cpu_steps, "decode_step", lambda *args: k_specs.append(args[11]) or decode_step(*args))
+
+    def counted(*args):
+        k_specs.append(args[11])  # the op's K spec
+        return decode_step(*args)
+
+    monkeypatch.setattr(cpu_steps, "decode_step", counted)
     model, ids = kv_heavy_llama(head_dim=head_dim), _ids(73, seed=2)
     runs = {}
     for one_op in (True, False):

@@ -112,8 +112,8 @@ def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype, ref
     cache's dtype, with its offset), bit for bit; unrefined specs get quantize's and empty planes."""
     from kvpass.packed import PackedKV
 
-    k_spec = QuantSpec(4, "token", 64, True, clip=True, refine=56 * refined, sinks=4, center=True)
-    v_spec = QuantSpec(4, "token", 32, True, clip=True, refine=64 * refined)
+    k_spec = QuantSpec(4, "token", 64, True, clip=True, refine=56 if refined else 0, sinks=4, center=True)
+    v_spec = QuantSpec(4, "token", 32, True, clip=True, refine=64 if refined else 0)
     k = PackedKV.from_float((3 + torch.randn(2, 2, 300, 64)).to(dtype), k_spec)
     v = PackedKV.from_float(torch.randn(2, 2, 300, 64, dtype=dtype), v_spec)
     q, k_new, v_new = torch.randn(2, 4, 1, 64), torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64, dtype=dtype)
