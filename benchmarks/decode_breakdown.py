@@ -6,7 +6,8 @@ and inside it ``cpu_steps.decode_step``, their one compiled graph; where a site 
 ``graph_ops.kv4_sdpa``; compiled unless ``--eager-steps``) and the eager model for reference. Then the same calls on
 the first layer's cache alone: back to back, and each after reading as many bytes as the model's
 weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
-calls' many small ops would otherwise find warm. Last, a warm V append taken apart by the layers of
+calls' many small ops would otherwise find warm. Then the first layer's decode call, warm, and what is
+inside it (the op, its compiled graph, the attention's arguments). Last, a warm V append taken apart by the layers of
 its call (the append; the ``kv4::`` op through the dispatcher, and called as the append calls it,
 ``ops.call``, which skips the dispatcher; the op's CPU body; the compiled quantization alone; and
 the append with the op's outputs given): what each layer adds to a call whose work is one token.
@@ -129,6 +130,40 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
         print(f"  {'PackedKV.append, the op outputs given':<36} {1e3 * alone_ms(append, repeats=repeats):6.1f} us")
 
 
+@torch.no_grad()
+def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None:
+    """The first layer's decode call (its attention and both appends, ``packed.attend_and_append``),
+    warm, and what is inside it: the op as the call makes it (``ops.call`` of ``kv4::decode_step``),
+    its compiled graph alone, and the attention's arguments. The call less the op and the arguments is
+    the rest of its Python, most of it growing both caches after the op."""
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    B, H, S, D = keys.shape
+    q = torch.randn(B, model.config.num_attention_heads, 1, D)
+    k_new, v_new = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    stored = [keys, values]
+
+    def step():  # chained, as decode steps grow the caches
+        _, stored[0], stored[1] = packed.attend_and_append(q, *stored, k_new, v_new, query=q)
+
+    # One call with the op and the compiled graph recorded, to call them again with the same arguments.
+    seen = {}
+    call, run = ops.call, cpu_steps._run
+    with (unittest.mock.patch.object(ops, "call", lambda op, *args: seen.setdefault(op, args) and call(op, *args)),
+          unittest.mock.patch.object(cpu_steps, "_run", lambda *args: seen.setdefault("graph", args) and run(*args))):  # fmt: skip
+        packed.attend_and_append(q, keys, values, k_new, v_new, query=q)
+    layers = {"packed.attend_and_append": step}
+    if ops.decode_step in seen:  # not where the layer's caches keep three calls
+        layers["ops.call of kv4::decode_step"] = lambda: call(ops.decode_step, *seen[ops.decode_step])
+    if "graph" in seen:  # not with --eager-steps
+        graph = cpu_steps._compiled[seen["graph"][:2]]
+        layers["the compiled graph alone"] = lambda: graph(*seen["graph"][2])
+    layers["packed._attention_args"] = lambda: packed._attention_args(q, keys, values, k_new, v_new, None, None, False,
+                                                                      0.0, None)  # fmt: skip
+    print(f"the first layer's decode call at {S} tokens, warm, and what is inside it (median of {repeats}):")
+    for name, layer in layers.items():
+        print(f"  {name:<36} {1e3 * alone_ms(layer, repeats=repeats):6.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2000)
@@ -155,6 +190,7 @@ def main() -> None:
         print(f"  {name:<15} {per_step:6.1f} ms a step, {calls[name] // args.steps} calls, "
               f"{per_step * args.steps / calls[name]:.2f} ms each")  # fmt: skip
     print_calls_alone(model, cache)
+    print_decode_layers(model, cache)
     print_append_layers(cache)
 
 
