@@ -7,10 +7,11 @@ and inside it ``cpu_steps.decode_step``, their one compiled graph; where a site 
 the first layer's cache alone: back to back, and each after reading as many bytes as the model's
 weights (what a decode step streams between two layers' kv4 calls), which evicts the CPU caches the
 calls' many small ops would otherwise find warm. Then the first layer's decode call, warm, and what is
-inside it (the op, its compiled graph, the attention's arguments). Last, a warm V append taken apart by the layers of
-its call (the append; the ``kv4::`` op through the dispatcher, and called as the append calls it,
-``ops.call``, which skips the dispatcher; the op's CPU body; the compiled quantization alone; and
-the append with the op's outputs given): what each layer adds to a call whose work is one token.
+inside it (the op, its compiled graph, the attention's arguments). Last, a warm V append taken apart
+by the layers of its call (the append; the ``kv4::`` op through the dispatcher, and called as the
+append calls it, ``ops.call``, which skips the dispatcher; the op's CPU body; the compiled
+quantization alone; and the append with the op's outputs given): what each layer adds to a call
+whose work is one token.
 
     python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
 """
@@ -145,11 +146,23 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
     def step():  # chained, as decode steps grow the caches
         _, stored[0], stored[1] = packed.attend_and_append(q, *stored, k_new, v_new, query=q)
 
-    # One call with the op and the compiled graph recorded, to call them again with the same arguments.
+    # A structure's first call runs eagerly and its second compiles (cpu_steps._run): then one call with
+    # the op and the compiled graph recorded, to call them again with the same arguments.
+    for _ in range(2):
+        packed.attend_and_append(q, keys, values, k_new, v_new, query=q)
     seen = {}
     call, run = ops.call, cpu_steps._run
-    with (unittest.mock.patch.object(ops, "call", lambda op, *args: seen.setdefault(op, args) and call(op, *args)),
-          unittest.mock.patch.object(cpu_steps, "_run", lambda *args: seen.setdefault("graph", args) and run(*args))):  # fmt: skip
+
+    def recorded_call(op, *args):
+        seen.setdefault(op, args)
+        return call(op, *args)
+
+    def recorded_run(*args):  # (function, key, arguments, eager fallback)
+        seen.setdefault("graph", args)
+        return run(*args)
+
+    with unittest.mock.patch.object(ops, "call", recorded_call), unittest.mock.patch.object(cpu_steps, "_run",
+                                                                                            recorded_run):  # fmt: skip
         packed.attend_and_append(q, keys, values, k_new, v_new, query=q)
     layers = {"packed.attend_and_append": step}
     if ops.decode_step in seen:  # not where the layer's caches keep three calls

@@ -312,8 +312,9 @@ UNREFINED = (QuantSpec(4, "token", 32, rotate=True, clip=True, sinks=4, center=T
      (UNREFINED, torch.bfloat16, "bool")],
     ids=["default-fp32", "default-bf16-mask", "default-fp16", "unrefined-fp32", "unrefined-bf16-mask"],
 )  # fmt: skip
-def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_references_bits(compiled_steps, monkeypatch,
-                                                                                          specs, dtype, mask):  # fmt: skip
+def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_references_bits(
+    compiled_steps, monkeypatch, specs, dtype, mask
+):
     k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=7)
     assert k.head.shape[2] and k.offset.shape[2]
     assert (k.query_scales is not None and v.fine_codes.shape[2]) if specs[1].refine else v.fine_codes is None
