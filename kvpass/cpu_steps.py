@@ -375,10 +375,10 @@ def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
                 k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
                 v_head, v_offset):  # fmt: skip
     """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
-    dtypes, with their caches' offsets: ``(out, *k_stored, *v_stored)``. A decode step's three are one
-    compiled graph: each compiled call costs ~50 us of Dynamo's and AOT's wrappers beyond its one
-    token's work (a SmolLM2 step: 30 calls, not 90; ``docs/bench-decode.md``). The codes are the
-    reference's bit for bit, as :func:`encode_refined`'s."""
+    dtypes, with their caches' offsets (an unrefined spec's second planes: 0 rows): ``(out, *k_stored,
+    *v_stored)``. A decode step's three are one compiled graph: a compiled call's wrappers (Dynamo's,
+    AOT's) cost more than its one token's work (a SmolLM2 step: 30 calls, not 90;
+    ``docs/bench-decode.md``). The codes are the reference's bit for bit, as :func:`encode_refined`'s."""
     args = (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False,
             k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head,
             v_offset)  # fmt: skip

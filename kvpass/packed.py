@@ -240,9 +240,8 @@ class PackedKV(torch.Tensor):
         if self.spec.refine:
             return self._refined_append(new, head, offset, query_scales, rounding, filled)
         if self.spec.tokens_apart:  # kv4::quantize rotates as it quantizes
-            codes, scales = ops.call(ops.quantize, new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
-            return self._extended(codes, scales, self.residual, head=head, offset=offset, query_scales=query_scales,
-                                  filled_pads=filled)  # fmt: skip
+            stored = ops.call(ops.quantize, new.to(self.dtype), *ops.codec_args(self.spec), offset, rounding)
+            return self._extended_by(stored, head, offset, query_scales, filled)
         # Residual tokens join the new ones; those that may leave it are quantized now: whole
         # per-channel groups, or whole blocks older than the window.
         stored = ops.rotate(new) if self.spec.rotate else new
@@ -305,7 +304,7 @@ class PackedKV(torch.Tensor):
 
     def _extended_by(self, stored, head, offset, query_scales, filled) -> PackedKV:
         """This per-token cache followed by new tokens ``stored`` as ``kv4::quantize_refined`` returns
-        them (an unrefined spec's second planes, of 0 rows, are dropped)."""
+        them (an unrefined spec's: ``kv4::quantize``'s two, or those and second planes of 0 rows, dropped)."""
         codes, scales, *new_planes = stored
         fine = None
         if self.spec.refine:
