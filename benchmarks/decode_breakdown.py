@@ -131,6 +131,10 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
         print(f"  {'PackedKV.append, the op outputs given':<36} {1e3 * alone_ms(append, repeats=repeats):6.1f} us")
 
 
+# Calls a chained decode call makes before starting again from the prompt's caches.
+CHAIN = 20
+
+
 @torch.no_grad()
 def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None:
     """The first layer's decode call (its attention and both appends, ``packed.attend_and_append``),
@@ -141,9 +145,16 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
     B, H, S, D = keys.shape
     q = torch.randn(B, model.config.num_attention_heads, 1, D)
     k_new, v_new = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
-    stored = [keys, values]
+    stored, calls_made = [keys, values], [0]
 
-    def step():  # chained, as decode steps grow the caches
+    def step():
+        # Chained, as decode steps grow the caches, and back to the prompt's caches every CHAIN calls:
+        # a chain of `repeats` calls would time the op at up to S + repeats keys (it grows with them)
+        # while the lines below time it at S. A restart copies its cache (not the view its storage
+        # ends at), one call in CHAIN, which the median leaves out.
+        if calls_made[0] % CHAIN == 0:
+            stored[:] = keys, values
+        calls_made[0] += 1
         _, stored[0], stored[1] = packed.attend_and_append(q, *stored, k_new, v_new, query=q)
 
     # A structure's first call runs eagerly and its second compiles (cpu_steps._run): then one call with
@@ -155,7 +166,8 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
 
     def recorded_call(op, *args):
         seen.setdefault(op, args)
-        return call(op, *args)
+        seen.setdefault("outputs", call(op, *args))
+        return seen["outputs"]
 
     def recorded_run(*args):  # (function, key, arguments, eager fallback)
         seen.setdefault("graph", args)
@@ -172,9 +184,15 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
         layers["the compiled graph alone"] = lambda: graph(*seen["graph"][2])
     layers["packed._attention_args"] = lambda: packed._attention_args(q, keys, values, k_new, v_new, None, None, False,
                                                                       0.0, None)  # fmt: skip
-    print(f"the first layer's decode call at {S} tokens, warm, and what is inside it (median of {repeats}):")
+    print(f"the first layer's decode call at {S} tokens ({S}-{S + CHAIN - 1} chained), warm, and what is inside it "
+          f"(median of {repeats}):")  # fmt: skip
     for name, layer in layers.items():
         print(f"  {name:<36} {1e3 * alone_ms(layer, repeats=repeats):6.1f} us")
+    if ops.decode_step in seen:
+        # The call's own Python without the op: set against the first two lines, what the two cost
+        # together beyond the sum of their parts.
+        with unittest.mock.patch.object(ops, "call", lambda op, *args: seen["outputs"]):
+            print(f"  {'the call, the op outputs given':<36} {1e3 * alone_ms(step, repeats=repeats):6.1f} us")
 
 
 def main() -> None:
