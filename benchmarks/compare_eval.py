@@ -1,0 +1,60 @@
+"""A documented ``kvpass eval`` JSON against a rerun of its command, row by row: whether each row the two
+share (same method, text, context and first step) reproduced to the last digit, and if not, how far its
+change against the unquantized model moved, beside the rerun's standard error of that change.
+
+    python benchmarks/compare_eval.py docs/eval-windows-2k-r43.json /tmp/rerun.json
+
+Exits 1 when a shared row differs, 2 when the two share no row (the rerun ran another command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvpass import eval as kv_eval
+
+# A row reproduces when its measurements do; its timings never do.
+MEASURED = ("ppl", "nll_blocks", "top1_match", "agreed_tokens", "kv_bytes_per_token")
+
+
+def rows_by_setting(path: str) -> dict[tuple, dict]:
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return {(r["method"], r["text"], r["ctx"], r.get("prefill")): r for r in rows}
+
+
+def compare(documented: dict[tuple, dict], rerun: dict[tuple, dict]) -> list[tuple[tuple, bool, dict, dict]]:
+    """``(setting, reproduced, documented row, rerun row)`` for every setting both hold, in order."""
+    return [(key, all(documented[key].get(f) == rerun[key].get(f) for f in MEASURED), documented[key], rerun[key])
+            for key in sorted(documented.keys() & rerun.keys(), key=str)]  # fmt: skip
+
+
+def _agreement(row: dict) -> str:
+    return "-" if row.get("agreement") is None else f"{row['agreement']:.3f}"
+
+
+def _change(row: dict) -> str:
+    return kv_eval._change(row.get("delta_pct"), row.get("delta_pct_se")) or "-"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("documented", help="the JSON a docs page cites")
+    parser.add_argument("rerun", help="the JSON its command wrote again")
+    args = parser.parse_args(argv)
+    shared = compare(rows_by_setting(args.documented), rows_by_setting(args.rerun))
+    if not shared:
+        print(f"{args.documented} and {args.rerun} share no (method, text, ctx, prefill) row")
+        return 2
+    print("| method | text | ctx | prefill | reproduced | perplexity | change against fp | greedy agreement |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (method, text, ctx, prefill), same, old, new in shared:
+        print(f"| {method} | {text} | {ctx} | {prefill} | {'yes' if same else 'no'} "
+              f"| {old['ppl']:.6f} -> {new['ppl']:.6f} | {_change(old)} -> {_change(new)} "
+              f"| {_agreement(old)} -> {_agreement(new)} |")  # fmt: skip
+    return 0 if all(same for _, same, _, _ in shared) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
