@@ -1,5 +1,5 @@
 """A documented ``kvpass eval`` JSON against a rerun of its command, row by row: whether each row the two
-share (same method, text, context and first step) reproduced to the last digit, and if not, how far its
+share (same method, text, context, chunk and first step) reproduced to the last digit, and if not, how far its
 change against the unquantized model moved, beside the rerun's standard error of that change.
 
     python benchmarks/compare_eval.py docs/eval-windows-2k-r43.json /tmp/rerun.json
@@ -21,7 +21,8 @@ MEASURED = ("ppl", "nll_blocks", "top1_match", "agreed_tokens", "kv_bytes_per_to
 def rows_by_setting(path: str) -> dict[tuple, dict]:
     with open(path) as f:
         rows = json.load(f)["rows"]
-    return {(r["method"], r["text"], r["ctx"], r.get("prefill")): r for r in rows}
+    # Rows written before --prefill existed have no "prefill": their first step was a chunk.
+    return {(r["method"], r["text"], r["ctx"], r["chunk"], r.get("prefill", r["chunk"])): r for r in rows}
 
 
 def compare(documented: dict[tuple, dict], rerun: dict[tuple, dict]) -> list[tuple[tuple, bool, dict, dict]]:
@@ -45,12 +46,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shared = compare(rows_by_setting(args.documented), rows_by_setting(args.rerun))
     if not shared:
-        print(f"{args.documented} and {args.rerun} share no (method, text, ctx, prefill) row")
+        print(f"{args.documented} and {args.rerun} share no (method, text, ctx, chunk, prefill) row")
         return 2
-    print("| method | text | ctx | prefill | reproduced | perplexity | change against fp | greedy agreement |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (method, text, ctx, prefill), same, old, new in shared:
-        print(f"| {method} | {text} | {ctx} | {prefill} | {'yes' if same else 'no'} "
+    print("| method | text | ctx | chunk | prefill | reproduced | perplexity | change against fp | greedy agreement |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (method, text, ctx, chunk, prefill), same, old, new in shared:
+        print(f"| {method} | {text} | {ctx} | {chunk} | {prefill} | {'yes' if same else 'no'} "
               f"| {old['ppl']:.6f} -> {new['ppl']:.6f} | {_change(old)} -> {_change(new)} "
               f"| {_agreement(old)} -> {_agreement(new)} |")  # fmt: skip
     return 0 if all(same for _, same, _, _ in shared) else 1

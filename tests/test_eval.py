@@ -635,17 +635,21 @@ def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
 
 def test_compare_eval_says_which_documented_rows_a_rerun_reproduced(tmp_path, capsys):
     compare_eval = _benchmark("compare_eval")
-    row = dict(method="kv4", text="kjv", ctx=512, prefill=64, ppl=5.0, nll_blocks=[1.0, 2.0], top1_match=0.9,
+    row = dict(method="kv4", text="kjv", ctx=512, chunk=64, prefill=64, ppl=5.0, nll_blocks=[1.0, 2.0], top1_match=0.9,
                delta_pct=0.3, delta_pct_se=0.1, ppl_s=10.0)  # fmt: skip
     moved = dict(row, text="code", ppl=6.0)
     documented, rerun, other = tmp_path / "documented.json", tmp_path / "rerun.json", tmp_path / "other.json"
     documented.write_text(json.dumps({"rows": [row, moved]}))
     # Timings differ in every rerun and decide nothing; one measured value does.
     rerun.write_text(json.dumps({"rows": [dict(row, ppl_s=11.0), dict(moved, nll_blocks=[1.0, 2.5])]}))
-    other.write_text(json.dumps({"rows": [dict(row, ctx=2048)]}))
+    # Another chunk is another setting; a row from before --prefill existed started with a chunk.
+    other.write_text(json.dumps({"rows": [dict(row, chunk=8, prefill=8)]}))
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps({"rows": [{k: v for k, v in row.items() if k != "prefill"}]}))
     verdicts = compare_eval.compare(compare_eval.rows_by_setting(documented), compare_eval.rows_by_setting(rerun))
     assert [(key[1], same) for key, same, _, _ in verdicts] == [("code", False), ("kjv", True)]
     assert compare_eval.main([str(documented), str(rerun)]) == 1
     assert compare_eval.main([str(documented), str(documented)]) == 0
     assert compare_eval.main([str(documented), str(other)]) == 2
-    assert "| kv4 | code | 512 | 64 | no |" in capsys.readouterr().out
+    assert compare_eval.main([str(older), str(documented)]) == 0
+    assert "| kv4 | code | 512 | 64 | 64 | no |" in capsys.readouterr().out
