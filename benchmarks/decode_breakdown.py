@@ -139,8 +139,9 @@ CHAIN = 20
 def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None:
     """The first layer's decode call (its attention and both appends, ``packed.attend_and_append``),
     warm, and what is inside it: the op as the call makes it (``ops.call`` of ``kv4::decode_step``),
-    its compiled graph alone, and the attention's arguments. The call less the op and the arguments is
-    the rest of its Python, most of it growing both caches after the op."""
+    its compiled graph alone, the attention's arguments, and the call with the op's outputs given (its
+    own Python, most of it growing both caches after the op). The call is more than the op's line and
+    its Python together: the op costs more handed a longer cache and new tensors each call."""
     keys, values = cache.layers[0].keys, cache.layers[0].values
     B, H, S, D = keys.shape
     q = torch.randn(B, model.config.num_attention_heads, 1, D)
@@ -165,9 +166,9 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
     call, run = ops.call, cpu_steps._run
 
     def recorded_call(op, *args):
-        seen.setdefault(op, args)
-        seen.setdefault("outputs", call(op, *args))
-        return seen["outputs"]
+        outputs = call(op, *args)
+        seen.setdefault(op, (args, outputs))
+        return outputs
 
     def recorded_run(*args):  # (function, key, arguments, eager fallback)
         seen.setdefault("graph", args)
@@ -178,7 +179,7 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
         packed.attend_and_append(q, keys, values, k_new, v_new, query=q)
     layers = {"packed.attend_and_append": step}
     if ops.decode_step in seen:  # not where the layer's caches keep three calls
-        layers["ops.call of kv4::decode_step"] = lambda: call(ops.decode_step, *seen[ops.decode_step])
+        layers["ops.call of kv4::decode_step"] = lambda: call(ops.decode_step, *seen[ops.decode_step][0])
     if "graph" in seen:  # not with --eager-steps
         graph = cpu_steps._compiled[seen["graph"][:2]]
         layers["the compiled graph alone"] = lambda: graph(*seen["graph"][2])
@@ -191,7 +192,7 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
     if ops.decode_step in seen:
         # The call's own Python without the op: set against the first two lines, what the two cost
         # together beyond the sum of their parts.
-        with unittest.mock.patch.object(ops, "call", lambda op, *args: seen["outputs"]):
+        with unittest.mock.patch.object(ops, "call", lambda op, *args: seen[ops.decode_step][1]):
             print(f"  {'the call, the op outputs given':<36} {1e3 * alone_ms(step, repeats=repeats):6.1f} us")
 
 
