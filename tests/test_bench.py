@@ -205,8 +205,8 @@ def test_memory_checks_the_allocator_library_before_running_any(monkeypatch):
     with pytest.raises(ValueError, match="allocator 'jemalloc': no libjemalloc on this machine .* libjemalloc2"):
         memory.run(parser.parse_args(["--caches", "fp16", "--allocator", "jemalloc", "--no-progress"]))
     assert ran == []
-    with pytest.raises(ValueError, match="unknown allocator 'mimalloc'; use one of"):
-        memory.preload("mimalloc")
+    with pytest.raises(ValueError, match="unknown allocator 'hoard'; use one of"):
+        memory.preload("hoard")
 
 
 def test_decode_results_name_the_allocator_they_ran_with(tmp_path, monkeypatch, capsys):

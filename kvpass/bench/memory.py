@@ -13,7 +13,7 @@ be reset (no ``/proc``), both are ``ru_maxrss``, whose baseline then includes th
 
 The resident set depends on the allocator as much as on the cache (glibc keeps freed heap memory
 resident, docs/bench-memory.md), so each row names the allocator its process ran with and the
-allocator settings in its environment; ``--allocator`` preloads jemalloc or tcmalloc into the
+allocator settings in its environment; ``--allocator`` preloads jemalloc, tcmalloc or mimalloc into the
 configurations' processes.
 """
 
@@ -46,10 +46,11 @@ class _Preloadable(NamedTuple):
 PRELOADABLE_ALLOCATORS = {
     "jemalloc": _Preloadable("jemalloc", "mallctl", "libjemalloc2"),
     "tcmalloc": _Preloadable("tcmalloc_minimal", "MallocExtension_ReleaseFreeMemory", "libtcmalloc-minimal4"),
+    "mimalloc": _Preloadable("mimalloc", "mi_collect", "libmimalloc2.0"),
 }
 # Environment variables that change how an allocator keeps memory (glibc's MALLOC_MMAP_THRESHOLD_,
-# jemalloc's MALLOC_CONF, tcmalloc's TCMALLOC_*): recorded with each row.
-ALLOCATOR_VARIABLES = ("MALLOC_", "TCMALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+# jemalloc's MALLOC_CONF, tcmalloc's TCMALLOC_*, mimalloc's MIMALLOC_*): recorded with each row.
+ALLOCATOR_VARIABLES = ("MALLOC_", "TCMALLOC_", "MIMALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def _maxrss_mib() -> float:
@@ -84,7 +85,7 @@ def current_allocator() -> str:
 def release_free_memory() -> None:
     """Hand the memory this process's allocator holds freed back to the OS, so that a baseline read
     after it holds none the fill could reuse unseen: glibc's ``malloc_trim``, jemalloc's purge of every
-    arena (after this thread's cache), tcmalloc's ``ReleaseFreeMemory``."""
+    arena (after this thread's cache), tcmalloc's ``ReleaseFreeMemory``, mimalloc's forced ``mi_collect``."""
     from kvpass import packed
 
     kind = current_allocator()
@@ -97,6 +98,8 @@ def release_free_memory() -> None:
                                    "would hold the memory it keeps freed")  # fmt: skip
     elif kind == "tcmalloc":
         ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+    elif kind == "mimalloc":
+        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))  # force: every thread's freed pages, now
 
 
 def allocator_settings() -> dict[str, str]:
