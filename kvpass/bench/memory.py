@@ -99,7 +99,7 @@ def release_free_memory() -> None:
     elif kind == "tcmalloc":
         ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
     elif kind == "mimalloc":
-        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))  # force: every thread's freed pages, now
+        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))  # force: returned now, not after its delays
 
 
 def allocator_settings() -> dict[str, str]:
