@@ -1,7 +1,5 @@
-import contextlib
 import os
 
-import pytest
 import torch
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it must be chosen before
@@ -20,12 +18,3 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from kvpass import cpu_steps  # noqa: E402
 
 cpu_steps.enabled = False
-
-
-@pytest.fixture
-def dynamo_config():
-    """``dynamo_config(name=value, ...)`` sets Dynamo's config for one test, through Dynamo's own patch.
-    Not ``monkeypatch.setattr``: the config module keeps its values outside its ``__dict__``, so pytest
-    9.2's undo takes them for absent and deletes them, which hides them from every later test."""
-    with contextlib.ExitStack() as stack:
-        yield lambda **changes: stack.enter_context(torch._dynamo.config.patch(**changes))

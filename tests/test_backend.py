@@ -147,12 +147,14 @@ def test_forward_loop_route_gives_the_same_tokens_as_generate_route():
     assert torch.equal(loop_tokens, generated)
 
 
-def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(dynamo_config, caplog):
+# Dynamo's own config.patch, not monkeypatch.setattr: the config module keeps its values outside its
+# __dict__, so pytest 9.2's undo takes them for absent and deletes them, hiding them from later tests.
+@torch._dynamo.config.patch(recompile_limit=4)
+def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(caplog):
     # Prompts of 5, 40, 100 and 300 tokens (no sinks, one, four and an offset, K's second plane too)
     # and 30 new tokens compile more graphs than a limit of 4 (Dynamo's default of 8 too, before second
     # planes' lengths were unbacked); every step must still run in kv4 graphs, never eagerly on a
     # dequantized cache.
-    dynamo_config(recompile_limit=4)
     torch._dynamo.reset()
     model = kv_heavy_llama(head_dim=128)
     backend = kvpass.kv4()
@@ -165,12 +167,12 @@ def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(dynamo_
     assert torch._dynamo.config.recompile_limit == kvpass.backend.RECOMPILE_LIMIT
 
 
-def test_a_recompile_limit_still_hit_is_explained_in_kvpass_log(monkeypatch, dynamo_config, caplog):
+@torch._dynamo.config.patch(recompile_limit=1)
+def test_a_recompile_limit_still_hit_is_explained_in_kvpass_log(monkeypatch, caplog):
     # Past the limit Dynamo runs new shapes uncompiled, and caches those calls create stay fp16: the
     # user must hear it from kvpass, not only as Dynamo's generic warning.
     # A prompt then decode steps: two graphs, one more than the limit.
     monkeypatch.setattr(kvpass.backend, "RECOMPILE_LIMIT", 1)
-    dynamo_config(recompile_limit=1)
     torch._dynamo.reset()
     model = kv_heavy_llama()
     model.compile(backend="kv4")

@@ -203,10 +203,10 @@ def test_the_attentions_marks_stay_off_the_models_graphs(monkeypatch):
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
-def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps, dynamo_config):
+@torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch.setattr: see tests/test_backend.py
+def test_more_specs_than_dynamos_recompile_limit_all_run_compiled(compiled_steps):
     # kvpass eval tries a dozen schemes in one process, and Dynamo keeps recompile_limit (8) graphs per
     # code object: here a limit of 2 against 3 specs, which is cheaper to compile.
-    dynamo_config(recompile_limit=2)
     x = torch.randn(1, 2, 1, 64)
     specs = [QuantSpec(4, "token", group) for group in (16, 32, 64)]
     torch._dynamo.reset()  # a spec another test compiled compiles again here
