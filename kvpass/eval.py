@@ -75,12 +75,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import json
 import logging
 import math
-import platform
 import re
 import sys
 import time
@@ -639,20 +637,6 @@ def _change(delta: float | None, se: float | None) -> str:
     return "" if delta is None else f"{delta:+.2f}%" + ("" if se is None else f" ± {se:.2f}")
 
 
-def machine() -> dict:
-    import transformers
-
-    return {
-        "kvpass": version.describe(),
-        "cpu": platform.processor() or platform.machine(),
-        "cores": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
-
-
 # --- CLI ------------------------------------------------------------------------------------
 
 
@@ -739,7 +723,7 @@ def run(args) -> int:
     info = dict(
         command="kvpass eval " + " ".join(sys.argv[sys.argv.index("eval") + 1 :] if "eval" in sys.argv else sys.argv[1:]),
         model=SMOLLM2 if args.model == "smollm2" else f"{args.model} ({model.config.model_type})", dtype=args.dtype,
-        machine=machine(), settings=dataclasses.asdict(settings),
+        machine=version.machine(), settings=dataclasses.asdict(settings),
         text_tokens={k: len(v) for k, v in texts.items()}, flush_denormal=not args.keep_denormals,
         methods={m.name: m.scheme for m in methods}
     )  # fmt: skip
@@ -773,7 +757,7 @@ def run(args) -> int:
         md = [
             "# kvpass eval results", "",
             f"Command: `{info['command']}`", "",
-            f"Model: {info['model']}, {args.dtype}. Machine: {m['cores']} CPU threads, Python {m['python']}, "
+            f"Model: {info['model']}, {args.dtype}. Machine: {m['cpu']}; {m['cores']} threads, Python {m['python']}, "
             f"torch {m['torch']}, transformers {m['transformers']}, {m['date']}. Total time {info['elapsed_s']:.0f} s.", "",
             f"Streaming perplexity: chunk {settings.chunk}, {settings.windows} window(s) per context, scored tokens after "
             f"each window's first {f'{settings.prefill} tokens' if settings.prefill else 'chunk'}. Greedy agreement: "

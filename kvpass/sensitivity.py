@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, version
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.tables import render_table
 
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from kvpass import text_data
-    from kvpass.eval import machine, tokenize_text
+    from kvpass.eval import tokenize_text
     from kvpass.models_zoo.real_model import load_model
 
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
@@ -125,7 +125,7 @@ def run(args) -> int:
     if args.json:
         command = "kvpass " + " ".join(sys.argv[sys.argv.index("sensitivity") :] if "sensitivity" in sys.argv else [])
         info = dict(command=command, model=args.model, text=args.text, tokens=ids.shape[1], chunk=args.chunk,
-                    k_spec=k_spec.tag, threshold_pct=args.threshold, costly_layers=layers, machine=machine(),
+                    k_spec=k_spec.tag, threshold_pct=args.threshold, costly_layers=layers, machine=version.machine(),
                     elapsed_s=round(time.perf_counter() - start, 1), rows=rows)  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(info, indent=1) + "\n")

@@ -1,6 +1,7 @@
 """The command line as a user types it."""
 
 import argparse
+import os
 import re
 
 import pytest
@@ -50,14 +51,30 @@ def test_version_names_the_commit_of_a_checkout(capsys, monkeypatch, tmp_path):
         version.describe.cache_clear()
 
 
-def test_results_record_the_kvpass_that_made_them(tmp_path):
+def test_results_record_the_kvpass_and_the_machine_that_made_them(tmp_path):
     import json
 
     assert main(["bench", "append", "--contexts", "64", "--methods", "fp16 cat", "--steps", "2", "--heads", "1",
-                 "--head-dim", "32", "--json", str(tmp_path / "append.json")]) == 0  # fmt: skip
+                 "--head-dim", "32", "--json", str(tmp_path / "append.json"),
+                 "--markdown", str(tmp_path / "append.md")]) == 0  # fmt: skip
     from kvpass import version
 
-    assert json.loads((tmp_path / "append.json").read_text())["kvpass"] == version.describe()
+    results = json.loads((tmp_path / "append.json").read_text())
+    assert results["kvpass"] == version.describe() and results["machine"]["cpu"] == version.cpu()
+    assert f"Machine: {version.cpu()}" in (tmp_path / "append.md").read_text()
+
+
+def test_the_machine_names_the_cpu_model_not_only_the_architecture():
+    import platform
+
+    from kvpass import version
+
+    fields = version._cpu_fields()
+    if "cpu family" not in fields:
+        pytest.skip("reads an x86 Linux's /proc/cpuinfo")
+    # platform.processor() is empty on Linux: the description came from /proc/cpuinfo.
+    assert version.cpu().startswith(f"{fields['model name']} (family {fields['cpu family']} model {fields['model']}")
+    assert f", {len(os.sched_getaffinity(0))} CPUs" in version.cpu() and version.cpu() != platform.machine()
 
 
 @pytest.mark.parametrize("command", [["demo", "--prompt-tokens"], ["explain", "--new-tokens"]])

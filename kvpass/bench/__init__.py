@@ -113,11 +113,15 @@ def command_line(benchmark: str) -> str:
 
 
 def write_results(args, info: dict, markdown_table: str) -> None:
-    """``--json`` gets ``info``; ``--markdown`` the command and the table."""
+    """``--json`` gets ``info`` and the machine; ``--markdown`` the command, the CPU and the table."""
+    machine = version.machine()
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"kvpass": version.describe(), **info}, indent=1) + "\n")
+        results = {"kvpass": version.describe(), "machine": machine, **info}
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     if args.markdown:
         elapsed = f" ({info['elapsed_s']:.0f} s)" if "elapsed_s" in info else ""
+        gpu = f", {machine['gpu']}" if "gpu" in machine else ""
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"Command: `{info['command']}`{elapsed}\n\n{markdown_table}\n")
+        Path(args.markdown).write_text(f"Command: `{info['command']}`{elapsed}\n\nMachine: {machine['cpu']}{gpu}\n\n"
+                                       f"{markdown_table}\n")

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, version
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
@@ -257,6 +257,7 @@ def run(args) -> int:
                     device=args.device, rounds=args.rounds)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
+    print(f"\n{version.cpu()}; {torch.get_num_threads()} threads")  # ratios differ from one CPU to another
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model, device=device,
                 threads=torch.get_num_threads(), torch=torch.__version__, allocator=memory.current_allocator(),
