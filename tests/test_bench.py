@@ -222,22 +222,33 @@ def test_decode_results_name_the_allocator_they_ran_with(tmp_path, monkeypatch, 
     assert info["allocator_settings"]["MALLOC_ARENA_MAX"] == "2" and len(info["rows"]) == 1
 
 
+# mimalloc's forced collect leaves the pages of 64 KiB blocks freed among live ones resident.
+_KEEPS_FREED_BESIDE_LIVE_BLOCKS = pytest.mark.xfail(strict=True, reason="mi_collect(true) returns only part")
+
+
 @pytest.mark.parametrize("name", ["glibc", *sorted(memory.PRELOADABLE_ALLOCATORS)])
-def test_the_baseline_holds_none_of_the_memory_an_allocator_keeps_freed(name):
+def test_the_baseline_holds_none_of_the_memory_an_allocator_keeps_freed(name, request):
     env = dict(os.environ)
     if name != "glibc":
         env["LD_PRELOAD"] = ctypes.util.find_library(memory.PRELOADABLE_ALLOCATORS[name].library)
         if env["LD_PRELOAD"] is None:
             pytest.skip(f"no {name} here (CI has none; docs/bench-memory.md has the runs)")
-    # 64 MiB in blocks of 64 KiB, freed: glibc's heap and tcmalloc keep all of it resident, jemalloc
-    # some; a baseline read over it would hide as much of a fill's growth.
+    if name == "mimalloc":
+        request.applymarker(_KEEPS_FREED_BESIDE_LIVE_BLOCKS)
+    # 64 MiB in blocks of 64 KiB, freed while a block allocated after them lives on, as a model's memory
+    # does beside what its warm-up freed: glibc's heap (its top held) and tcmalloc keep all of it
+    # resident, jemalloc some; a baseline read over it would hide as much of a fill's growth. Without
+    # the live block glibc returned it all at the free in about a third of runs, and the check
+    # passed only on the 3 MiB malloc_trim found elsewhere.
     script = ("import torch; from kvpass.bench import memory; base = memory._status_mib('VmRSS'); "
-              "xs = [torch.ones(2**14) for _ in range(2**10)]; del xs; kept = memory._status_mib('VmRSS') - base; "
+              "xs = [torch.ones(2**14) for _ in range(2**10)]; live = torch.ones(2**14); del xs; "
+              "kept = memory._status_mib('VmRSS') - base; "
               "memory.release_free_memory(); "
               "print(memory.current_allocator(), kept, memory._status_mib('VmRSS') - base)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     allocator, kept, after = out.split()
-    assert allocator == name and float(after) < 4 < float(kept) - float(after), out
+    # 1.5 MiB: tcmalloc's thread cache alone kept 2-4 MiB before it was flushed too.
+    assert allocator == name and float(after) < 1.5 and float(kept) - float(after) > 4, out
 
 
 def test_append_grid_times_every_method_and_amortizes_the_growable_cache():

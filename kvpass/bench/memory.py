@@ -85,7 +85,8 @@ def current_allocator() -> str:
 def release_free_memory() -> None:
     """Hand the memory this process's allocator holds freed back to the OS, so that a baseline read
     after it holds none the fill could reuse unseen: glibc's ``malloc_trim``, jemalloc's purge of every
-    arena (after this thread's cache), tcmalloc's ``ReleaseFreeMemory``, mimalloc's forced ``mi_collect``."""
+    arena (after this thread's cache), tcmalloc's ``ReleaseFreeMemory`` (after this thread's cache),
+    mimalloc's forced ``mi_collect``."""
     from kvpass import packed
 
     kind = current_allocator()
@@ -97,9 +98,15 @@ def release_free_memory() -> None:
                 raise OSError(err, f"jemalloc's mallctl({control.decode()!r}) failed: a baseline read now "
                                    "would hold the memory it keeps freed")  # fmt: skip
     elif kind == "tcmalloc":
-        ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+        process = ctypes.CDLL(None)
+        # Its page heap, which ReleaseFreeMemory empties, lacks what this thread's cache holds freed:
+        # 2-4 MiB, a size that varied from run to run under load (docs/bench-memory.md).
+        process.MallocExtension_MarkThreadTemporarilyIdle()
+        process.MallocExtension_ReleaseFreeMemory()
     elif kind == "mimalloc":
-        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))  # force: returned now, not after its delays
+        # Forced: returned now, not after its delays; still not where live blocks lie among the freed
+        # ones (13.7 MiB of 64 kept in tests/test_bench.py's check, docs/bench-memory.md).
+        ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))
 
 
 def allocator_settings() -> dict[str, str]:
