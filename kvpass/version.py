@@ -69,8 +69,9 @@ def cpu() -> str:
 
 
 def machine() -> dict:
-    """What a result was measured on: kvpass, the CPU (:func:`cpu`), the threads torch uses, the GPU
-    where CUDA is present, and the versions of Python, torch and transformers, with the date."""
+    """What a result was measured on: kvpass, the CPU (:func:`cpu`), the threads torch uses and the
+    vector width its CPU kernels run at, the GPU where CUDA is present, and the versions of Python,
+    torch and transformers, with the date."""
     import torch
     import transformers
 
@@ -78,6 +79,8 @@ def machine() -> dict:
         "kvpass": describe(),
         "cpu": cpu(),
         "cores": torch.get_num_threads(),  # threads torch uses, whatever the machine has
+        # The vector width ATen's kernels were dispatched at: sums round differently at another.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -61,6 +61,7 @@ def test_results_record_the_kvpass_and_the_machine_that_made_them(tmp_path):
 
     results = json.loads((tmp_path / "append.json").read_text())
     assert results["kvpass"] == version.describe() and results["machine"]["cpu"] == version.cpu()
+    assert results["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert f"Machine: {version.cpu()}" in (tmp_path / "append.md").read_text()
 
 
