@@ -171,8 +171,9 @@ def run(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             if args.output.endswith(".json"):
-                json.dump(dict(kvpass=version.describe(), device=torch.cuda.get_device_name(),
-                               copy_bytes_per_s=bandwidth, rows=rows), f, indent=2)  # fmt: skip
+                json.dump(dict(kvpass=version.describe(), machine=version.machine(),
+                               device=torch.cuda.get_device_name(), copy_bytes_per_s=bandwidth, rows=rows),
+                          f, indent=2)  # fmt: skip
             else:
                 f.write(table + "\n")
     return 0
