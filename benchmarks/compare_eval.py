@@ -1,6 +1,8 @@
 """A documented ``kvpass eval`` JSON against a rerun of its command, row by row: whether each row the two
 share (same method, text, context, chunk and first step) reproduced to the last digit, and if not, how far its
-change against the unquantized model moved, beside the rerun's standard error of that change.
+change against the unquantized model moved, beside the rerun's standard error of that change, and the rerun's
+perplexity change against the documented row itself, paired over the same 64-token blocks (a rerun on another
+CPU, whose sums round otherwise, moves every row a little: the paired change says by how much beyond noise).
 
     python benchmarks/compare_eval.py docs/eval-windows-2k-r43.json /tmp/rerun.json
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from kvpass import eval as kv_eval
 
@@ -39,6 +42,14 @@ def _change(row: dict) -> str:
     return kv_eval._change(row.get("delta_pct"), row.get("delta_pct_se")) or "-"
 
 
+def _paired(old: dict, new: dict) -> str:
+    # Rows written before their summed NLL was kept, or over other blocks, have nothing to pair.
+    if "nll" not in old or "nll" not in new or len(old["nll_blocks"]) != len(new["nll_blocks"]):
+        return "-"
+    se = kv_eval.paired_delta_se(new["nll_blocks"], old["nll_blocks"], new["scored"])
+    return kv_eval._change(100 * math.expm1(new["nll"] - old["nll"]), se)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("documented", help="the JSON a docs page cites")
@@ -48,11 +59,12 @@ def main(argv=None) -> int:
     if not shared:
         print(f"{args.documented} and {args.rerun} share no (method, text, ctx, chunk, prefill) row")
         return 2
-    print("| method | text | ctx | chunk | prefill | reproduced | perplexity | change against fp | greedy agreement |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| method | text | ctx | chunk | prefill | reproduced | perplexity | change against fp | rerun against documented, "
+          "paired | greedy agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for (method, text, ctx, chunk, prefill), same, old, new in shared:
         print(f"| {method} | {text} | {ctx} | {chunk} | {prefill} | {'yes' if same else 'no'} "
-              f"| {old['ppl']:.6f} -> {new['ppl']:.6f} | {_change(old)} -> {_change(new)} "
+              f"| {old['ppl']:.6f} -> {new['ppl']:.6f} | {_change(old)} -> {_change(new)} | {_paired(old, new)} "
               f"| {_agreement(old)} -> {_agreement(new)} |")  # fmt: skip
     return 0 if all(same for _, same, _, _ in shared) else 1
 

@@ -634,12 +634,12 @@ def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
 def test_compare_eval_says_which_documented_rows_a_rerun_reproduced(tmp_path, capsys):
     compare_eval = _benchmark("compare_eval")
     row = dict(method="kv4", text="kjv", ctx=512, chunk=64, prefill=64, ppl=5.0, nll_blocks=[1.0, 2.0], top1_match=0.9,
-               delta_pct=0.3, delta_pct_se=0.1, ppl_s=10.0)  # fmt: skip
+               delta_pct=0.3, delta_pct_se=0.1, ppl_s=10.0, nll=1.5 / 128, scored=128)  # fmt: skip
     moved = dict(row, text="code", ppl=6.0)
     documented, rerun, other = tmp_path / "documented.json", tmp_path / "rerun.json", tmp_path / "other.json"
     documented.write_text(json.dumps({"rows": [row, moved]}))
     # Timings differ in every rerun and decide nothing; one measured value does.
-    rerun.write_text(json.dumps({"rows": [dict(row, ppl_s=11.0), dict(moved, nll_blocks=[1.0, 2.5])]}))
+    rerun.write_text(json.dumps({"rows": [dict(row, ppl_s=11.0), dict(moved, nll_blocks=[1.0, 2.5], nll=2.0 / 128)]}))
     # Another chunk is another setting; a row from before --prefill existed started with a chunk.
     other.write_text(json.dumps({"rows": [dict(row, chunk=8, prefill=8)]}))
     older = tmp_path / "older.json"
@@ -650,4 +650,8 @@ def test_compare_eval_says_which_documented_rows_a_rerun_reproduced(tmp_path, ca
     assert compare_eval.main([str(documented), str(documented)]) == 0
     assert compare_eval.main([str(documented), str(other)]) == 2
     assert compare_eval.main([str(older), str(documented)]) == 0
-    assert "| kv4 | code | 512 | 64 | 64 | no |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| kv4 | code | 512 | 64 | 64 | no |" in printed
+    # The moved row against itself as documented: its blocks' change, paired.
+    paired = kv_eval._change(100 * math.expm1(0.5 / 128), kv_eval.paired_delta_se([1.0, 2.5], [1.0, 2.0], 128))
+    assert f"| {paired} |" in printed and "| +0.00% ± 0.00 |" in printed
