@@ -13,13 +13,15 @@ append calls it, ``ops.call``, which skips the dispatcher; the op's CPU body; th
 quantization alone; and the append with the op's outputs given): what each layer adds to a call
 whose work is one token.
 
-    python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps]
+    python benchmarks/decode_breakdown.py [--context 2000] [--steps 20] [--eager-steps] [--profile-graph]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import statistics
 import time
 import unittest.mock
@@ -136,7 +138,7 @@ CHAIN = 20
 
 
 @torch.no_grad()
-def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None:
+def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000, profile: bool = False) -> None:
     """The first layer's decode call (its attention and both appends, ``packed.attend_and_append``),
     warm, and what is inside it: the op as the call makes it (``ops.call`` of ``kv4::decode_step``),
     its compiled graph alone, the attention's arguments, and the call with the op's outputs given (its
@@ -189,6 +191,16 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000) -> None
           f"(median of {repeats}):")  # fmt: skip
     for name, layer in layers.items():
         print(f"  {name:<36} {1e3 * alone_ms(layer, repeats=repeats):6.1f} us")
+    if profile and "graph" in seen:
+        # Where the compiled graph's call goes: Dynamo's guards and bytecode, AOT's wrapper, Inductor's
+        # Python wrapper and its C++ loops (cProfile, which sees the wrapper's allocations by name).
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(200):
+                layers["the compiled graph alone"]()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [layers["the compiled graph alone"]() for _ in range(500)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     if ops.decode_step in seen:
         # The call's own Python without the op: set against the first two lines, what the two cost
         # together beyond the sum of their parts.
@@ -200,6 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--profile-graph", action="store_true",
+                        help="profile the first layer's compiled decode graph (torch.profiler, cProfile)")
     parser.add_argument("--eager-steps", action="store_true", help="run decode steps' kv4 ops eagerly (kvpass.cpu_steps off)")
     args = parser.parse_args()
     cpu_steps.enabled = not args.eager_steps
@@ -222,7 +236,7 @@ def main() -> None:
         print(f"  {name:<15} {per_step:6.1f} ms a step, {calls[name] // args.steps} calls, "
               f"{per_step * args.steps / calls[name]:.2f} ms each")  # fmt: skip
     print_calls_alone(model, cache)
-    print_decode_layers(model, cache)
+    print_decode_layers(model, cache, profile=args.profile_graph)
     print_append_layers(cache)
 
 
