@@ -183,7 +183,7 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000, profile
     if ops.decode_step in seen:  # not where the layer's caches keep three calls
         layers["ops.call of kv4::decode_step"] = lambda: call(ops.decode_step, *seen[ops.decode_step][0])
     if "graph" in seen:  # not with --eager-steps
-        graph = cpu_steps._compiled[seen["graph"][:2]]
+        graph = cpu_steps._compiled[seen["graph"][:2]][0]  # the key's one graph
         layers["the compiled graph alone"] = lambda: graph(*seen["graph"][2])
     layers["packed._attention_args"] = lambda: packed._attention_args(q, keys, values, k_new, v_new, None, None, False,
                                                                       0.0, None)  # fmt: skip
@@ -192,7 +192,7 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000, profile
     for name, layer in layers.items():
         print(f"  {name:<36} {1e3 * alone_ms(layer, repeats=repeats):6.1f} us")
     if profile and "graph" in seen:
-        # Where the compiled graph's call goes: Dynamo's guards and bytecode, AOT's wrapper, Inductor's
+        # Where the compiled graph's call goes: its guards, AOT's wrapper, Inductor's
         # Python wrapper and its C++ loops (cProfile, which sees the wrapper's allocations by name).
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(200):

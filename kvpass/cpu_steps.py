@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
-import types
 import warnings
 
 import torch
@@ -54,18 +54,34 @@ enabled = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 fused_attention = True
 
 
-def _compile(fn):
-    # Dynamo keeps at most recompile_limit (8) graphs per code object, and every spec (for attention,
-    # every structure) is a graph of its own: a process trying many schemes (kvpass eval) would run
-    # out and silently run the Python eagerly. A copy of the code per key leaves each its own budget.
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
+def _compile(fn, args):
+    """``fn`` compiled by Inductor for ``args`` (their marks traced), as a function of the same arguments
+    that returns None where the graph's guards reject them.
+
+    Called without Dynamo's frame hook (``aot_compile``): the hook's cache lookup and the bytecode around
+    the graph took ~80 us of a SmolLM2 decode graph's ~300 (``docs/bench-decode.md``), and the graphs are
+    kvpass's own (:func:`_run`), so no code object reaches Dynamo's recompile_limit (a process trying
+    many schemes, kvpass eval, would run out and silently run the Python eagerly). The guards, checked
+    here for ~30 us, hold what a key leaves out: the dispatch keys and global state a call is made in
+    (within an op's dispatch, inference mode), which a graph specialises on too."""
     # Inductor would otherwise skip the fp16 round trip of a scale used within the same loop
     # (the clip search divides by fp16-rounded candidates): the codes would change.
-    return torch.compile(own, dynamic=False, options={"emulate_precision_casts": True})
+    options = {"emulate_precision_casts": True}
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
+    names, guards, graph = tuple(inspect.signature(fn).parameters), compiled._artifacts.guard_manager, compiled.fn
+
+    def call(*args):
+        return graph(*args) if guards.check(dict(zip(names, args))) else None
+
+    return call
 
 
-# (function, key) -> its compiled copy.
+# (function, key) -> the key's compiled graphs (_compile), none yet after its first (eager) call.
 _compiled = {}
+# Graphs a key may compile for the contexts its calls are made in (_compile) before it runs eagerly.
+GRAPHS_PER_KEY = 4
+# Keys that compiled GRAPHS_PER_KEY graphs and met inputs none of them takes (warned once each).
+_overflowing = set()
 
 
 def untraced_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -81,29 +97,42 @@ def _takes(*tensors: torch.Tensor) -> bool:
     return enabled and untraced_cpu(*tensors)
 
 
-def _run(fn, key, args, eager):
-    """``fn(*args)`` compiled (one code copy per ``key``), or ``eager()`` where Inductor fails."""
+def _run(fn, key, args, eager, traced=None):
+    """``fn(*args)`` compiled (graphs kept under ``key``, traced with ``traced()`` where given, else
+    ``args``), or ``eager()`` where Inductor fails or a key has compiled ``GRAPHS_PER_KEY`` graphs."""
     global enabled
-    compiled = _compiled.get((fn, key))
-    if compiled is None:
+    graphs = _compiled.get((fn, key))
+    if graphs is None:
         # The first call of a key runs eagerly: it makes the reference's cached tensors (Hadamard
         # matrix, clip divisors, field orders), which a graph compiled at the next call takes as
-        # inputs. Compiled first, the graph would make them at every call (and compile again once
-        # they exist).
-        _compiled[fn, key] = _compile(fn)
+        # inputs. Compiled first, the graph would make them at every call.
+        _compiled[fn, key] = []
         return eager()
     try:
+        for graph in graphs:
+            result = graph(*args)
+            if result is not None:
+                return result
+        if len(graphs) == GRAPHS_PER_KEY:
+            if (fn, key) not in _overflowing:
+                _overflowing.add((fn, key))
+                log.warning("kvpass: %s runs eagerly on CPU here: it compiled %d graphs for one key, none of "
+                            "which takes these inputs", fn.__name__, GRAPHS_PER_KEY)  # fmt: skip
+            return eager()
         with warnings.catch_warnings():
             # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
             # append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            return compiled(*args)
+            graphs.append(_compile(fn, args if traced is None else traced()))
+        result = graphs[-1](*args)
+        if result is None:
+            raise RuntimeError(f"a graph of {fn.__name__} rejects the inputs it was compiled for")
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         # A bad input raises here again, as it would without compiling, and leaves the path on.
         result = eager()
         enabled = False
         log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(err).__name__, err)
-        return result
+    return result
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +145,7 @@ def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: 
     """:func:`kvpass.reference.encode`, compiled for a decode step's ``x``."""
     if x.shape[2] == STEP_TOKENS and _takes(x):
         args = (_step(x), spec, offset, reference.quantize, rounding)
-        return _run(reference.encode, spec, args, lambda: reference.encode(*args))
+        return _run(reference.encode, _encoding(*args[:3], rounding), args, lambda: reference.encode(*args))
     return reference.encode(x, spec, offset, rounding=rounding)
 
 
@@ -124,8 +153,14 @@ def encode_refined(x: torch.Tensor, spec, offset: torch.Tensor | None = None, ro
     """:func:`kvpass.reference.encode_refined`, compiled for a decode step's ``x``."""
     if x.shape[2] == STEP_TOKENS and _takes(x):
         args = (_step(x), spec, reference.quantize, offset, rounding)
-        return _run(reference.encode_refined, spec, args, lambda: reference.encode_refined(*args))
+        return _run(reference.encode_refined, _encoding(args[0], spec, offset, rounding), args,
+                    lambda: reference.encode_refined(*args))  # fmt: skip
     return reference.encode_refined(x, spec, offset=offset, rounding=rounding)
+
+
+def _encoding(x: torch.Tensor, spec, offset: torch.Tensor | None, rounding: torch.Tensor | None):
+    # What a decode step's quantization graph specialises on: every input's layout (one token's).
+    return spec, *map(_structure, (x, offset, rounding))
 
 
 # --- attention -------------------------------------------------------------------------
@@ -293,13 +328,25 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     length = t.shape[dim]
     hint = 1 << max(length - 1, 0).bit_length()
     torch._dynamo.decorators.mark_unbacked(alias, dim % t.dim(), hint_override=hint)
+    # The mark the model's graphs want on a cache's own tensors (packed._marked_growing), which a graph's
+    # guards take only where its trace had it too (an unbacked mark wins the trace): the graph is then
+    # called with the cache's tensors themselves, not aliases.
+    alias._dynamo_weak_dynamic_indices = {dim % t.dim()}
     return alias
 
 
 def _alias(t: torch.Tensor | None) -> torch.Tensor | None:
-    # A new tensor object over t's memory, taking any strides (as view() would not): marks set on it,
-    # or dropped from it, leave t's own.
-    return None if t is None else t.as_strided(t.shape, t.stride(), t.storage_offset())
+    # A new tensor object over t's memory, not a view of it: marks set on it, or dropped from it, leave
+    # t's own, and a graph traced with it takes the cache's tensors themselves (storage_view).
+    return None if t is None else storage_view(t, t.shape, t.stride(), t.storage_offset())
+
+
+def storage_view(base: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:
+    """A tensor over ``base``'s storage with this geometry that is not a view of ``base``. Dynamo
+    fakes a view taken in as a graph input through its base (a symbolic ``as_strided`` of the whole
+    storage, checked against it and guarded on the base's length), which cost a SmolLM2 decode graph's
+    trace a fifth of its time (docs/design.md); a tensor that is no view is faked from its own sizes."""
+    return base.new_empty(0).set_(base.untyped_storage(), offset, shape, stride)
 
 
 def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -312,8 +359,8 @@ def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
 def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                 is_causal, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head,
                 k_offset, v_head, v_offset):  # fmt: skip
-    """``(key, args)`` of :func:`_decode_attention` for a decode step's attention, or None where the
-    reference computes it."""
+    """``(key, args, traced)`` of :func:`_decode_attention` for a decode step's attention, ``traced()`` the
+    arguments its graph is traced with (lengths marked unbacked), or None where the reference computes it."""
     stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_fine_codes, k_fine_scales,
               v_fine_codes, v_fine_scales)  # fmt: skip
     rest = (k_head, k_offset, v_head, v_offset)
@@ -323,23 +370,29 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
         return None
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
-    # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
     fine = map(_rows_outermost, fine)  # planes grow from 0 rows in a short prompt's decode
-    stored = [_unbacked(t, 2) for t in (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)]
-    # The sinks a sliding window's eviction leaves carry its unbacked mark (packed._evicted_head), meant
-    # for the model's graph; here their count is a constant, as everywhere else: aliases drop the mark.
-    k_head, v_head = _alias(k_head), _alias(v_head)
-    rest = (k_head, k_offset, v_head, v_offset)
-    attn_mask = _unbacked(attn_mask, -1)
+    stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, *fine)
+    k_new, v_new = _step(k_new), _step(v_new)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)
     # Sinks and offset hold a fixed count of rows, which the graph takes as a constant.
     fixed_rows = [None if t is None else t.shape[2] for t in rest]
     key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
            None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
-    args = (q, *stored[:6], _step(k_new), _step(v_new), attn_mask, scale, softcap, *stored[6:], *rest, k_reading,
-            v_reading, k_spec, v_spec)  # fmt: skip
-    return key, args
+
+    # The sinks a sliding window's eviction leaves carry its unbacked mark (packed._evicted_head), meant
+    # for the model's graph; here their count is a constant, as everywhere else: aliases drop the mark.
+    k_head, v_head = _alias(k_head), _alias(v_head)
+
+    def args(stored, k_head, v_head, attn_mask):
+        return (q, *stored[:6], k_new, v_new, attn_mask, scale, softcap, *stored[6:], k_head, k_offset, v_head,
+                v_offset, k_reading, v_reading, k_spec, v_spec)  # fmt: skip
+
+    def traced():
+        # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
+        return args([_unbacked(t, 2) for t in stored], k_head, v_head, _unbacked(attn_mask, -1))
+
+    return key, args(stored, k_head, v_head, attn_mask), traced
 
 
 def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
@@ -355,7 +408,7 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
         return reference.attention(*args)
 
     fused = _fused_args(*args)
-    return eager() if fused is None else _run(_decode_attention, fused[0], fused[1], eager)
+    return eager() if fused is None else _run(_decode_attention, *fused[:2], eager, fused[2])
 
 
 def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
@@ -388,4 +441,4 @@ def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
                 *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
 
     fused = _fused_args(*args)
-    return apart() if fused is None else _run(_decode_step, fused[0], fused[1], apart)
+    return apart() if fused is None else _run(_decode_step, *fused[:2], apart, fused[2])

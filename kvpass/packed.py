@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops, reference
+from kvpass.cpu_steps import storage_view
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 
 log = logging.getLogger("kvpass")
@@ -573,17 +574,9 @@ def _grow(past: torch.Tensor, new: torch.Tensor, end: int) -> torch.Tensor:
         _release_freed_heap(past.device, nbytes)
         storage.resize_(nbytes)
     shape = (*past.shape[:2], past.shape[2] + new.shape[2], *past.shape[3:])
-    out = _storage_view(past, shape, past.stride(), past.storage_offset())
+    out = storage_view(past, shape, past.stride(), past.storage_offset())
     out[:, :, past.shape[2] :].copy_(new)
     return out
-
-
-def _storage_view(base: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:
-    """A tensor over ``base``'s storage with this geometry that is not a view of ``base``. Dynamo
-    fakes a view taken in as a graph input through its base (a symbolic ``as_strided`` of the whole
-    storage, checked against it), which cost a SmolLM2 decode graph's trace a fifth of its time
-    (docs/design.md); a tensor that is no view is faked from its own sizes."""
-    return base.new_empty(0).set_(base.untyped_storage(), offset, shape, stride)
 
 
 @functools.cache
@@ -622,7 +615,7 @@ def _copy_with_headroom(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     _release_freed_heap(past.device, math.prod(shape) * past.element_size())
     rows = past.new_empty(shape)
     view = rows.movedim(0, 2)[:, :, :length]
-    out = _storage_view(rows, view.shape, view.stride(), 0)
+    out = storage_view(rows, view.shape, view.stride(), 0)
     out[:, :, : past.shape[2]].copy_(past)
     out[:, :, past.shape[2] :].copy_(new)
     return out
@@ -658,7 +651,7 @@ def _newest_rows(old: torch.Tensor, new: torch.Tensor, keep) -> torch.Tensor:
         # rows x row stride and guards on (a graph more at 2 rows, the model's and the attention's).
         # A dimension of size 1 takes any stride; 0 reads the same at every length.
         stride = view.stride() if view.shape[0] > 1 else (0, *view.stride()[1:])
-        return _storage_view(rows, view.shape, stride, 0)
+        return storage_view(rows, view.shape, stride, 0)
     # Traced with values (AOT's functional tensors): one slice of symbolic bounds rather than two.
     rows = torch.cat([old, new])
     return rows[torch.sym_max(rows.shape[0] - keep, 0) :].movedim(0, 2)

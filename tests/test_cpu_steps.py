@@ -29,12 +29,13 @@ def compiled_steps(monkeypatch):
     ran = []
     compile_ = cpu_steps._compile
 
-    def recording(fn):
-        compiled = compile_(fn)
+    def recording(fn, args):
+        compiled = compile_(fn, args)
 
         def call(*args):
             out = compiled(*args)
-            ran.append(fn)
+            if out is not None:  # None: the graph's guards rejected args, and it did not run
+                ran.append(fn)
             return out
 
         return call
@@ -107,7 +108,7 @@ def test_only_plain_cpu_decode_steps_take_the_compiled_path(compiled_steps, monk
 
 
 def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps, monkeypatch, caplog):
-    def no_compiler(fn):
+    def no_compiler(fn, args):
         def fails(*args):
             raise RuntimeError("no C++ compiler")
 
@@ -127,6 +128,30 @@ def test_an_input_the_reference_rejects_raises_its_error_and_keeps_the_compiled_
         with pytest.raises(ValueError, match="head_dim 7 must be a multiple of 2"):
             cpu_steps.encode(torch.randn(1, 2, 1, 7), QuantSpec(4, "token", 16))
     assert cpu_steps.enabled
+
+
+def test_a_call_in_another_dispatch_context_compiles_a_graph_of_its_own(compiled_steps):
+    # Inference tensors carry other dispatch keys than the graph was traced with: its guards reject
+    # them, and the key compiles a second graph rather than running the first on them.
+    x = torch.randn(1, 2, 1, 64)
+    _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
+    with torch.inference_mode():
+        got = cpu_steps.encode_refined(x.clone(), DEFAULT.v)
+    (graphs,) = cpu_steps._compiled.values()
+    assert len(graphs) == 2 and compiled_steps == [reference.encode_refined] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, DEFAULT.v)))
+
+
+def test_a_key_out_of_graphs_runs_eagerly_and_says_so_once(compiled_steps, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_steps, "GRAPHS_PER_KEY", 1)
+    monkeypatch.setattr(cpu_steps, "_overflowing", set())
+    x = torch.randn(1, 2, 1, 64)
+    _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
+    with caplog.at_level(logging.WARNING, logger="kvpass"), torch.inference_mode():
+        got = [cpu_steps.encode_refined(x.clone(), DEFAULT.v) for _ in range(2)]
+    assert compiled_steps == [reference.encode_refined] and cpu_steps.enabled
+    assert caplog.text.count("encode_refined runs eagerly on CPU here: it compiled 1 graphs for one key") == 1
+    assert all(torch.equal(a, b) for out in got for a, b in zip(out, reference.encode_refined(x, DEFAULT.v)))
 
 
 def test_opcheck_with_the_compiled_path(compiled_steps):
@@ -156,13 +181,10 @@ def _decode_step_args(k, v, q):
 
 
 @torch.no_grad()
-def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
+def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch):
     model = kv_heavy_llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
-    ran = []
-    compile_ = cpu_steps._compile
-    monkeypatch.setattr(cpu_steps, "_compiled", {})
-    monkeypatch.setattr(cpu_steps, "_compile", lambda fn: (lambda c: lambda *a: ran.append(fn) or c(*a))(compile_(fn)))
+    ran = compiled_steps
     logits, caches = {}, {}
     for enabled in (False, True):
         monkeypatch.setattr(cpu_steps, "enabled", enabled)
@@ -175,10 +197,8 @@ def test_a_kv4_model_decodes_through_the_compiled_path(monkeypatch):
         caches[enabled] = cache
     assert cpu_steps.enabled
     # 3 decode steps of 2 layers, each layer's attention and appends one graph. A key's first call (the
-    # first step's first layer's) runs the three apart, each its key's first call, so eagerly, but V's
-    # quantization: K's made the copy their codec shares (the codecs are equal).
-    assert ran.count(cpu_steps._decode_step) == 2 * 3 - 1
-    assert ran.count(reference.encode_refined) == 1 and len(ran) == 2 * 3
+    # first step's first layer's) runs the three apart, each its key's first call, so eagerly.
+    assert ran.count(cpu_steps._decode_step) == len(ran) == 2 * 3 - 1
     # The cache holds the same bits both ways; the logits move by the attention's order of sums only.
     for on, off in zip(caches[True].layers, caches[False].layers):
         assert same_stored_bits(on.keys, off.keys) and same_stored_bits(on.values, off.values)
