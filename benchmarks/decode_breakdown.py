@@ -119,10 +119,14 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
         "ops.call of it (what append calls)": lambda: ops.call(ops.quantize_refined, new, *ops.codec_args(spec), spec.refine),
         "cpu_steps.encode_refined (its body)": lambda: encode_refined(new, spec),
     }
-    compiled = cpu_steps._compiled.get((reference.encode_refined, spec))
-    if compiled is not None:  # None with --eager-steps
+    if cpu_steps.enabled:  # not with --eager-steps
         args = (cpu_steps._step(new), spec, reference.quantize, None, None)
-        layers["the compiled quantization alone"] = lambda: compiled(*args)
+        for _ in range(2):  # a key's first call runs eagerly, its second compiles
+            encode_refined(new, spec)
+        # The key's graph for calls made as the op's body makes them (the dispatched line compiles another).
+        graphs = cpu_steps._compiled[reference.encode_refined, cpu_steps._encoding(args[0], spec, None, None)]
+        graph = next(graph for graph in graphs if graph(*args) is not None)
+        layers["the compiled quantization alone"] = lambda: graph(*args)
     print(f"the first layer's V append at {S} tokens, warm, by the layers of its call (median of {repeats}):")
     for name, call in layers.items():
         print(f"  {name:<36} {1e3 * alone_ms(call, repeats=repeats):6.1f} us")

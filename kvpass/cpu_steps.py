@@ -22,8 +22,9 @@ step (SmolLM2: 60 appends and 30 attentions a step, 30 calls in all since a laye
 
 Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
 but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
-so each structure (spec, shape, which optional parts are present) compiles once for every length;
-prompts and chunks vary in length and their ops are large already, so they stay eager. Where
+so each structure (spec, shape, which optional parts are present) compiles once for every length
+(kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
+are large already, so they stay eager. Where
 Inductor cannot compile (no C++ compiler), the failure is logged once and the reference runs eagerly
 from then on; an input the reference itself rejects raises its error and leaves the compiled path on.
 """
@@ -32,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
+import types
 import warnings
 
 import torch
@@ -58,17 +59,22 @@ def _compile(fn, args):
     """``fn`` compiled by Inductor for ``args`` (their marks traced), as a function of the same arguments
     that returns None where the graph's guards reject them.
 
-    Called without Dynamo's frame hook (``aot_compile``): the hook's cache lookup and the bytecode around
-    the graph took ~80 us of a SmolLM2 decode graph's ~300 (``docs/bench-decode.md``), and the graphs are
-    kvpass's own (:func:`_run`), so no code object reaches Dynamo's recompile_limit (a process trying
-    many schemes, kvpass eval, would run out and silently run the Python eagerly). The guards, checked
-    here for ~30 us, hold what a key leaves out: the dispatch keys and global state a call is made in
-    (within an op's dispatch, inference mode), which a graph specialises on too."""
+    Dynamo compiles a copy of ``fn``'s code, a cache entry of its own (no code object reaches Dynamo's
+    recompile_limit, past which a process trying many schemes, kvpass eval, would silently run the
+    Python eagerly), and kvpass calls the entry's code itself, checking its guards as Dynamo's frame
+    hook would: the hook cost ~100 us of a SmolLM2 decode graph's call (``docs/bench-decode.md``). The
+    guards hold what a key (:func:`_run`) leaves out: the dispatch keys and global state a call is
+    made in (within an op's dispatch, inference mode), which a graph specialises on too."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
     # Inductor would otherwise skip the fp16 round trip of a scale used within the same loop
     # (the clip search divides by fp16-rounded candidates): the codes would change.
-    options = {"emulate_precision_casts": True}
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options).aot_compile((args, {}))
-    names, guards, graph = tuple(inspect.signature(fn).parameters), compiled._artifacts.guard_manager, compiled.fn
+    torch.compile(own, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})(*args)
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(own)
+    if len(entries) != 1:  # Dynamo skipped the frame (a stance, a disabled region)
+        raise RuntimeError(f"Dynamo compiled {len(entries)} graphs of {fn.__name__}, not one")
+    (entry,) = entries
+    graph, guards = types.FunctionType(entry.code, fn.__globals__, fn.__name__), entry.guard_manager
+    names = own.__code__.co_varnames[: own.__code__.co_argcount]
 
     def call(*args):
         return graph(*args) if guards.check(dict(zip(names, args))) else None
