@@ -62,7 +62,7 @@ def _compile(fn, args):
     Dynamo compiles a copy of ``fn``'s code, a cache entry of its own (no code object reaches Dynamo's
     recompile_limit, past which a process trying many schemes, kvpass eval, would silently run the
     Python eagerly), and kvpass calls the entry's code itself, checking its guards as Dynamo's frame
-    hook would: the hook cost ~100 us of a SmolLM2 decode graph's call (``docs/bench-decode.md``). The
+    hook would: the hook cost 30-100 us of a SmolLM2 decode graph's call (``docs/bench-decode.md``). The
     guards hold what a key (:func:`_run`) leaves out: the dispatch keys and global state a call is
     made in (within an op's dispatch, inference mode), which a graph specialises on too."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__)
@@ -73,7 +73,7 @@ def _compile(fn, args):
     if len(entries) != 1:  # Dynamo skipped the frame (a stance, a disabled region)
         raise RuntimeError(f"Dynamo compiled {len(entries)} graphs of {fn.__name__}, not one")
     (entry,) = entries
-    graph, guards = types.FunctionType(entry.code, fn.__globals__, fn.__name__), entry.guard_manager
+    graph, guards = types.FunctionType(entry.code, fn.__globals__, fn.__name__, fn.__defaults__), entry.guard_manager
     names = own.__code__.co_varnames[: own.__code__.co_argcount]
 
     def call(*args):
