@@ -24,9 +24,9 @@ Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step ha
 but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
 so each structure (spec, shape, which optional parts are present) compiles once for every length
 (kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
-are large already, so they stay eager. Where
-Inductor cannot compile (no C++ compiler), the failure is logged once and the reference runs eagerly
-from then on; an input the reference itself rejects raises its error and leaves the compiled path on.
+are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure
+is logged once and the reference runs eagerly from then on; an input the reference itself rejects
+raises its error and leaves the compiled path on.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: 
     """:func:`kvpass.reference.encode`, compiled for a decode step's ``x``."""
     if x.shape[2] == STEP_TOKENS and _takes(x):
         args = (_step(x), spec, offset, reference.quantize, rounding)
-        return _run(reference.encode, _encoding(*args[:3], rounding), args, lambda: reference.encode(*args))
+        return _run(reference.encode, _encoding(args[0], spec, offset, rounding), args, lambda: reference.encode(*args))
     return reference.encode(x, spec, offset, rounding=rounding)
 
 
