@@ -176,9 +176,9 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000, profile
         seen.setdefault(op, (args, outputs))
         return outputs
 
-    def recorded_run(*args):  # (function, key, arguments, eager fallback)
-        seen.setdefault("graph", args)
-        return run(*args)
+    def recorded_run(fn, args, *rest):  # (function, arguments, key, eager fallback, traced arguments)
+        seen.setdefault("graph", (fn, args))
+        return run(fn, args, *rest)
 
     with unittest.mock.patch.object(ops, "call", recorded_call), unittest.mock.patch.object(cpu_steps, "_run",
                                                                                             recorded_run):  # fmt: skip
@@ -187,8 +187,9 @@ def print_decode_layers(model, cache: DynamicCache, repeats: int = 1000, profile
     if ops.decode_step in seen:  # not where the layer's caches keep three calls
         layers["ops.call of kv4::decode_step"] = lambda: call(ops.decode_step, *seen[ops.decode_step][0])
     if "graph" in seen:  # not with --eager-steps
-        graph = cpu_steps._compiled[seen["graph"][:2]][0]  # the key's one graph
-        layers["the compiled graph alone"] = lambda: graph(*seen["graph"][2])
+        fn, args = seen["graph"]
+        graph = cpu_steps._recent[fn][0]  # the graph that took the call
+        layers["the compiled graph alone"] = lambda: graph(*args)
     layers["packed._attention_args"] = lambda: packed._attention_args(q, keys, values, k_new, v_new, None, None, False,
                                                                       0.0, None)  # fmt: skip
     print(f"the first layer's decode call at {S} tokens ({S}-{S + CHAIN - 1} chained), warm, and what is inside it "

@@ -88,6 +88,13 @@ _compiled = {}
 GRAPHS_PER_KEY = 4
 # Keys that compiled GRAPHS_PER_KEY graphs and met inputs none of them takes (warned once each).
 _overflowing = set()
+# function -> the graphs that took its latest calls, latest first (RECENT_GRAPHS at most). A model's
+# layers make calls of one or two structures step after step: a call one of these graphs' guards
+# take runs it without working out its key, whose structures and hashing cost a SmolLM2 layer's
+# step more than its whole graph's guards (docs/bench-decode.md). The guards decide: a graph runs
+# only on inputs it is correct for, whichever key it was compiled under.
+_recent = {}
+RECENT_GRAPHS = 4
 
 
 def untraced_cpu(*tensors: torch.Tensor | None) -> bool:
@@ -103,41 +110,60 @@ def _takes(*tensors: torch.Tensor) -> bool:
     return enabled and untraced_cpu(*tensors)
 
 
-def _run(fn, key, args, eager, traced=None):
-    """``fn(*args)`` compiled (graphs kept under ``key``, traced with ``traced()`` where given, else
-    ``args``), or ``eager()`` where Inductor fails or a key has compiled ``GRAPHS_PER_KEY`` graphs."""
+def _run(fn, args, key, eager, traced=None):
+    """``fn(*args)`` compiled, or ``eager()`` where Inductor fails or a key has compiled ``GRAPHS_PER_KEY``
+    graphs. A recent graph that takes ``args`` runs first; else the graphs kept under ``key()``, or
+    one compiled for it (traced with ``traced()`` where given, else ``args``)."""
     global enabled
+    try:
+        result = _compiled_result(fn, args, key, traced)
+    except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
+        # A bad input raises here again, as it would without compiling, and leaves the path on.
+        result = eager()
+        enabled = False
+        log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(err).__name__, err)
+        return result
+    return eager() if result is None else result
+
+
+def _compiled_result(fn, args, key, traced):
+    """:func:`_run`'s compiled result, or None where the call runs eagerly."""
+    recent = _recent.setdefault(fn, [])
+    for i, graph in enumerate(recent):
+        result = graph(*args)
+        if result is not None:
+            if i:
+                recent.insert(0, recent.pop(i))
+            return result
+    key = key()
     graphs = _compiled.get((fn, key))
     if graphs is None:
         # The first call of a key runs eagerly: it makes the reference's cached tensors (Hadamard
         # matrix, clip divisors, field orders), which a graph compiled at the next call takes as
         # inputs. Compiled first, the graph would make them at every call.
         _compiled[fn, key] = []
-        return eager()
-    try:
-        for graph in graphs:
-            result = graph(*args)
-            if result is not None:
-                return result
+        return None
+    for graph in graphs:
+        result = graph(*args)
+        if result is not None:
+            break
+    else:
         if len(graphs) == GRAPHS_PER_KEY:
             if (fn, key) not in _overflowing:
                 _overflowing.add((fn, key))
                 log.warning("kvpass: %s runs eagerly on CPU here: it compiled %d graphs for one key, none of "
                             "which takes these inputs", fn.__name__, GRAPHS_PER_KEY)  # fmt: skip
-            return eager()
+            return None
         with warnings.catch_warnings():
             # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
             # append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            graphs.append(_compile(fn, args if traced is None else traced()))
-        result = graphs[-1](*args)
+            graph = _compile(fn, args if traced is None else traced())
+        graphs.append(graph)
+        result = graph(*args)
         if result is None:
             raise RuntimeError(f"a graph of {fn.__name__} rejects the inputs it was compiled for")
-    except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
-        # A bad input raises here again, as it would without compiling, and leaves the path on.
-        result = eager()
-        enabled = False
-        log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(err).__name__, err)
+    recent[:] = [graph, *recent[: RECENT_GRAPHS - 1]]
     return result
 
 
@@ -151,7 +177,8 @@ def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: 
     """:func:`kvpass.reference.encode`, compiled for a decode step's ``x``."""
     if x.shape[2] == STEP_TOKENS and _takes(x):
         args = (_step(x), spec, offset, reference.quantize, rounding)
-        return _run(reference.encode, _encoding(args[0], spec, offset, rounding), args, lambda: reference.encode(*args))
+        return _run(reference.encode, args, lambda: _encoding(args[0], spec, offset, rounding),
+                    lambda: reference.encode(*args))  # fmt: skip
     return reference.encode(x, spec, offset, rounding=rounding)
 
 
@@ -159,7 +186,7 @@ def encode_refined(x: torch.Tensor, spec, offset: torch.Tensor | None = None, ro
     """:func:`kvpass.reference.encode_refined`, compiled for a decode step's ``x``."""
     if x.shape[2] == STEP_TOKENS and _takes(x):
         args = (_step(x), spec, reference.quantize, offset, rounding)
-        return _run(reference.encode_refined, _encoding(args[0], spec, offset, rounding), args,
+        return _run(reference.encode_refined, args, lambda: _encoding(args[0], spec, offset, rounding),
                     lambda: reference.encode_refined(*args))  # fmt: skip
     return reference.encode_refined(x, spec, offset=offset, rounding=rounding)
 
@@ -365,8 +392,9 @@ def _at_offset_zero(t: torch.Tensor | None) -> torch.Tensor | None:
 def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                 is_causal, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head,
                 k_offset, v_head, v_offset):  # fmt: skip
-    """``(key, args, traced)`` of :func:`_decode_attention` for a decode step's attention, ``traced()`` the
-    arguments its graph is traced with (lengths marked unbacked), or None where the reference computes it."""
+    """``(args, key, traced)`` of :func:`_decode_attention` for a decode step's attention, as :func:`_run`
+    takes them (``traced()`` the arguments its graph is traced with, lengths marked unbacked), or None
+    where the reference computes it."""
     stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_fine_codes, k_fine_scales,
               v_fine_codes, v_fine_scales)  # fmt: skip
     rest = (k_head, k_offset, v_head, v_offset)
@@ -381,10 +409,12 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
     k_new, v_new = _step(k_new), _step(v_new)
     k_reading = _reading(q.shape[-1], k_spec, q.device)
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)
-    # Sinks and offset hold a fixed count of rows, which the graph takes as a constant.
-    fixed_rows = [None if t is None else t.shape[2] for t in rest]
-    key = (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
-           None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
+
+    def key():
+        # Sinks and offset hold a fixed count of rows, which the graph takes as a constant.
+        fixed_rows = [None if t is None else t.shape[2] for t in rest]
+        return (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
+                None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
 
     # The sinks a sliding window's eviction leaves carry its unbacked mark (packed._evicted_head), meant
     # for the model's graph; here their count is a constant, as everywhere else: aliases drop the mark.
@@ -398,7 +428,7 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
         # Aliases carry the marks: on the cache's own tensors they would reach the model's next graph.
         return args([_unbacked(t, 2) for t in stored], k_head, v_head, _unbacked(attn_mask, -1))
 
-    return key, args(stored, k_head, v_head, attn_mask), traced
+    return args(stored, k_head, v_head, attn_mask), key, traced
 
 
 def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,

@@ -42,6 +42,9 @@ def codec_args(spec: QuantSpec) -> tuple[int, str, int, bool, bool, bool, bool]:
     return (*spec_args(spec), spec.clip)
 
 
+# One object per spec, made once: an op builds its specs at every call, and a SmolLM2 decode step
+# makes 60 (docs/bench-decode.md). Typed: True and 1 are equal keys, but only one is a valid field.
+@functools.lru_cache(maxsize=None, typed=True)
 def _spec(bits, scheme, group, rotate, symmetric, span_heads, **more) -> QuantSpec:
     """The :class:`QuantSpec` of :func:`spec_args` (and ``more`` of its fields)."""
     return QuantSpec(bits, scheme, group, rotate, symmetric, span_heads=span_heads, **more)

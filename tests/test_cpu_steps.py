@@ -26,6 +26,7 @@ def compiled_steps(monkeypatch):
     entry a call (a key's first call runs eagerly)."""
     monkeypatch.setattr(cpu_steps, "enabled", True)
     monkeypatch.setattr(cpu_steps, "_compiled", {})
+    monkeypatch.setattr(cpu_steps, "_recent", {})
     ran = []
     compile_ = cpu_steps._compile
 
@@ -87,14 +88,40 @@ def test_a_decode_steps_compiled_quantization_is_the_references_bit_for_bit(comp
 
 
 def test_equal_specs_share_one_compiled_graph(compiled_steps):
-    # ops.quantize_refined builds a new QuantSpec each call: the graph must guard on its values.
+    # Equal specs need not be one object (a spec built apart, a copy): the graph guards on values.
     x = torch.randn(2, 3, 1, 64)
-    args = (x, *ops.codec_args(DEFAULT.v), DEFAULT.v.refine)
-    _second(lambda: ops.quantize_refined(*args))
+    _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for _ in range(3):
-        ops.quantize_refined(*args)
+    for spec in (DEFAULT.v, dataclasses.replace(DEFAULT.v), QuantSpec.from_tag(DEFAULT.v.tag)):
+        cpu_steps.encode_refined(x, spec)
     assert compiled_steps == [reference.encode_refined] * 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_call_a_recent_graph_takes_runs_it_without_working_out_its_key(compiled_steps, monkeypatch):
+    x = torch.randn(1, 2, 1, 64)
+    _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
+    keys, encoding = [], cpu_steps._encoding
+    monkeypatch.setattr(cpu_steps, "_encoding", lambda *args: keys.append(args) or encoding(*args))
+    y = torch.randn(1, 2, 1, 64)
+    got = cpu_steps.encode_refined(y, DEFAULT.v)
+    assert keys == [] and compiled_steps == [reference.encode_refined] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(y, DEFAULT.v)))
+
+
+def test_a_structure_no_recent_graph_takes_finds_its_graph_by_its_key(compiled_steps, monkeypatch):
+    # Two structures alternating past a recent list of one: each call misses it, and the graph its
+    # key holds runs (no graph compiled again, no eager step).
+    monkeypatch.setattr(cpu_steps, "RECENT_GRAPHS", 1)
+    steps = [torch.randn(batch, 2, 1, 64) for batch in (1, 2)]
+    for x in steps:
+        _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for x in steps * 2:
+        got = cpu_steps.encode_refined(x, DEFAULT.v)
+        assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, DEFAULT.v)))
+        assert len(cpu_steps._recent[reference.encode_refined]) == 1
+    assert compiled_steps == [reference.encode_refined] * 6
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
@@ -213,6 +240,7 @@ def test_the_attentions_marks_stay_off_the_models_graphs(monkeypatch):
     model = kv_heavy_llama()
     monkeypatch.setattr(cpu_steps, "enabled", True)
     monkeypatch.setattr(cpu_steps, "_compiled", {})
+    monkeypatch.setattr(cpu_steps, "_recent", {})
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step, cache = torch.compile(model, backend="kv4"), DynamicCache()
