@@ -100,7 +100,8 @@ RECENT_GRAPHS = 4
 def untraced_cpu(*tensors: torch.Tensor | None) -> bool:
     """Whether ``tensors`` are plain CPU tensors (no subclass, fake or functional tensor) used outside
     any trace or dispatch mode (opcheck's, a fake mode)."""
-    return (all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors if t is not None)
+    # is_cpu, not device.type: a device object a tensor, ~20 tensors a decode call, twice (ops.call).
+    return (all(type(t) is torch.Tensor and t.is_cpu for t in tensors if t is not None)
             and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)  # fmt: skip
 
 
@@ -449,7 +450,8 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
 
 def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                  softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
-                 k_reading, v_reading, k_spec, v_spec):  # fmt: skip
+                 k_reading, v_reading, k_spec, v_spec, k_query_scales):  # fmt: skip
+    q, k_new = reference.by_query_scales(q, k_query_scales, -1), reference.by_query_scales(k_new, k_query_scales, 1)
     out = _decode_attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, softcap,
         k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_reading,
@@ -462,19 +464,30 @@ def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual
 
 def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                 k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
-                v_head, v_offset):  # fmt: skip
+                v_head, v_offset, k_query_scales=None):  # fmt: skip
     """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
     dtypes, with their caches' offsets (an unrefined spec's second planes: 0 rows): ``(out, *k_stored,
-    *v_stored)``. A decode step's three are one compiled graph: a compiled call's wrappers (Dynamo's,
-    AOT's) cost more than its one token's work (a SmolLM2 step: 30 calls, not 90;
-    ``docs/bench-decode.md``). The codes are the reference's bit for bit, as :func:`encode_refined`'s."""
-    args = (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False,
-            k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head,
-            v_offset)  # fmt: skip
+    *v_stored)``, ``q`` divided and ``k_new`` multiplied by K's ``k_query_scales`` first (where given:
+    :func:`kvpass.reference.by_query_scales`). A decode step's three are one compiled graph: a compiled
+    call's wrappers (Dynamo's, AOT's) cost more than its one token's work (a SmolLM2 step: 30 calls, not
+    90; ``docs/bench-decode.md``), and so did the query scales' products made eagerly before it. The codes
+    are the reference's bit for bit, as :func:`encode_refined`'s."""
 
     def apart():
-        return (attention(*args), *encode_refined(k_new.to(k_residual.dtype), k_spec, k_offset),
+        q_read = reference.by_query_scales(q, k_query_scales, -1)
+        k_read = reference.by_query_scales(k_new, k_query_scales, 1)
+        return (attention(q_read, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_read, v_new,
+                          attn_mask, scale, False, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes,
+                          v_fine_scales, k_head, k_offset, v_head, v_offset),
+                *encode_refined(k_read.to(k_residual.dtype), k_spec, k_offset),
                 *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
 
-    fused = _fused_args(*args)
-    return apart() if fused is None else _run(_decode_step, *fused[:2], apart, fused[2])
+    fused = _takes(k_query_scales) and _fused_args(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False, k_spec,
+        v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
+    )  # fmt: skip
+    if not fused:
+        return apart()
+    args, key, traced = fused
+    return _run(_decode_step, (*args, k_query_scales), lambda: (key(), _structure(k_query_scales)), apart,
+                lambda: (*traced(), k_query_scales))

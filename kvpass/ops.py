@@ -347,19 +347,22 @@ def _decode_step_on_cpu(
     k_offset: torch.Tensor | None,
     v_head: torch.Tensor | None,
     v_offset: torch.Tensor | None,
+    k_query_scales: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode step of a layer whose K and V are quantized a token at a time (``QuantSpec.tokens_apart``):
     :func:`attention` over the stored past and the new tokens (not causal), and :func:`quantize_refined`
     of each new token in its cache's dtype with its cache's offset (``refine`` 0: no second plane, 0 rows
-    of it): ``(out, *k_stored, *v_stored)``, each four tensors.
+    of it): ``(out, *k_stored, *v_stored)``, each four tensors. A query-scaled K's scales
+    (``k_query_scales``, else None) divide ``q`` and multiply ``k_new`` first, as attention reads a stored
+    key and an append stores one (:func:`kvpass.reference.by_query_scales`).
     One op, not three: the work is one token's, and on CPU each call costs more than its work
     (:func:`kvpass.cpu_steps.decode_step` compiles the three as one graph)."""
     return cpu_steps.decode_step(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
         _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads, clip=k_clip, refine=k_refine),
         _spec(v_bits, v_scheme, v_group, v_rotate, v_symmetric, v_span_heads, clip=v_clip, refine=v_refine), softcap,
-        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
+        k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_query_scales,
     )  # fmt: skip
 
 
@@ -378,7 +381,10 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 @decode_step.register_kernel("cuda")
 def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, *rest):
     n = _REFINED_ARGS
-    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset) = rest[:n], rest[n : 2 * n], rest[2 * n :]
+    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales) = (
+        rest[:n], rest[n : 2 * n], rest[2 * n :]
+    )  # fmt: skip
+    q, k_new = reference.by_query_scales(q, k_query_scales, -1), reference.by_query_scales(k_new, k_query_scales, 1)
     out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                     False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *planes, k_head, k_offset, v_head,
                     v_offset)  # fmt: skip

@@ -999,8 +999,10 @@ def attention(
     return ops.call(ops.attention, *_attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads))
 
 
-def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads) -> tuple:
-    """``kv4::attention``'s arguments for :func:`attention`'s."""
+def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale, is_causal, softcap, v_heads,
+                    query_scaled: bool = True) -> tuple:  # fmt: skip
+    """``kv4::attention``'s arguments for :func:`attention`'s; ``query_scaled=False`` leaves ``q`` and
+    ``k_new`` as given, for an op that applies K's query scales itself (``kv4::decode_step``)."""
     if reference.fixed_or_none(v.query_scales) is not None:
         raise ValueError(f"V ({v.spec.tag}) holds query scales: attention reads V as stored; store it unscaled")
     if k.filled_pads.shape[1] != v.filled_pads.shape[1]:
@@ -1012,8 +1014,9 @@ def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale,
         keys = k.shape[2] + k_new.shape[2]
         attn_mask = reference.mask_with_filled_pads(attn_mask, k.filled_pads, q.shape[2], keys, is_causal)
         is_causal = False
-    # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
-    q, k_new = reference.by_query_scales(q, k.query_scales, -1), reference.by_query_scales(k_new, k.query_scales, 1)
+    if query_scaled:
+        # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
+        q, k_new = reference.by_query_scales(q, k.query_scales, -1), reference.by_query_scales(k_new, k.query_scales, 1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]
@@ -1053,15 +1056,15 @@ def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Te
         # V needs the pads only to fill them (K's statistics skip them).
         v_grown = v.append(v_new, pads=pads if fills_pads else None, fills_pads=fills_pads)
         return attention(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap), k_grown, v_grown
-    args = _attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, None)
+    args = _attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, None, query_scaled=False)
     (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, _), rest = (
         args[:12], args[12 + 2 * ops.SPEC_ARGS :]
     )  # fmt: skip
     out, *stored = ops.call(
         ops.decode_step, q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
-        scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest,
+        scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest, k.query_scales,
     )  # fmt: skip
-    # The new key went in as attention reads it, scaled by K's query scales, as an append stores it.
+    # The op scaled the new key by K's query scales, as an append stores it.
     k_grown = k._extended_by(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)
     v_grown = v._extended_by(stored[4:], v.head, v.offset, v.query_scales, v.filled_pads)
     return out, _marked_growing(k_grown), _marked_growing(v_grown)

@@ -204,7 +204,7 @@ def _decode_step_args(k, v, q):
     k_new, v_new = (torch.randn(*t.shape[:2], 1, t.shape[-1], dtype=t.dtype) for t in (k.residual, v.residual))
     return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, None, 0.125,
             *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
-            v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)  # fmt: skip
+            v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset, k.query_scales)  # fmt: skip
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpass import ops, reference
-from kvpass.config import QuantSpec
+from kvpass.config import KVConfig, QuantSpec
 
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True))
@@ -121,8 +121,8 @@ def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype, ref
     stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, mask, 0.125)
     extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
     args = (*stored, *ops.refined_codec_args(k_spec), *ops.refined_codec_args(v_spec), *extra)
-    torch.library.opcheck(ops.decode_step, (q, *args))
-    out, *parts = ops.decode_step(q, *args)
+    torch.library.opcheck(ops.decode_step, (q, *args, None))
+    out, *parts = ops.decode_step(q, *args, None)
     expected = (
         ops.attention(q, *stored, False, *ops.spec_args(k_spec), *ops.spec_args(v_spec), *extra),
         *ops.quantize_refined(k_new.to(dtype), *ops.refined_codec_args(k_spec), k.offset),
@@ -132,6 +132,29 @@ def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype, ref
     if not refined:
         assert all(torch.equal(a, b) for a, b in zip(parts[:2], ops.quantize(k_new, *ops.codec_args(k_spec), k.offset)))
         assert parts[2].shape[2] == parts[3].shape[2] == parts[6].shape[2] == parts[7].shape[2] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_step_applies_ks_query_scales_as_attention_reads_and_an_append_stores(dtype):
+    # q / s against stored keys k * s, and the new key stored as k_new * s: the op given the scales is
+    # the op given q and k_new scaled beforehand (as packed.attention scales them), bit for bit.
+    from kvpass.packed import PackedKV
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 300, 64, generator=gen, dtype=dtype)
+    k = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().k, query=q)
+    v = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().v)
+    assert reference.fixed_or_none(k.query_scales) is not None
+    q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen, dtype=dtype) for heads in (4, 2, 2))
+    stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual)
+    specs = (*ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec))
+    extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
+    got = ops.decode_step(q, *stored, k_new, v_new, None, 0.125, *specs, *extra, k.query_scales)
+    q_read, k_read = (reference.by_query_scales(t, k.query_scales, power) for t, power in ((q, -1), (k_new, 1)))
+    expected = ops.decode_step(q_read, *stored, k_read, v_new, None, 0.125, *specs, *extra, None)
+    assert not torch.equal(q_read, q)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    torch.library.opcheck(ops.decode_step, (q, *stored, k_new, v_new, None, 0.125, *specs, *extra, k.query_scales))
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 100])
