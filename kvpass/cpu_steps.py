@@ -90,9 +90,9 @@ GRAPHS_PER_KEY = 4
 _overflowing = set()
 # function -> the graphs that took its latest calls, latest first (RECENT_GRAPHS at most). A model's
 # layers make calls of one or two structures step after step: a call one of these graphs' guards
-# take runs it without working out its key, whose structures and hashing cost a SmolLM2 layer's
-# step more than its whole graph's guards (docs/bench-decode.md). The guards decide: a graph runs
-# only on inputs it is correct for, whichever key it was compiled under.
+# take runs it without working out its key (each input's layout, two specs hashed: ~30 us of a warm
+# SmolLM2 call, more in a running model; docs/design.md). The guards decide: a graph runs only on
+# inputs it is correct for, whichever key it was compiled under.
 _recent = {}
 RECENT_GRAPHS = 4
 
@@ -451,7 +451,7 @@ def attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k
 def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                  softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
                  k_reading, v_reading, k_spec, v_spec, k_query_scales):  # fmt: skip
-    q, k_new = reference.by_query_scales(q, k_query_scales, -1), reference.by_query_scales(k_new, k_query_scales, 1)
+    q, k_new = reference.read_with_query_scales(q, k_new, k_query_scales)
     out = _decode_attention(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, softcap,
         k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_reading,
@@ -467,15 +467,14 @@ def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
                 v_head, v_offset, k_query_scales=None):  # fmt: skip
     """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
     dtypes, with their caches' offsets (an unrefined spec's second planes: 0 rows): ``(out, *k_stored,
-    *v_stored)``, ``q`` divided and ``k_new`` multiplied by K's ``k_query_scales`` first (where given:
-    :func:`kvpass.reference.by_query_scales`). A decode step's three are one compiled graph: a compiled
+    *v_stored)``, ``q`` and ``k_new`` read with K's ``k_query_scales`` first (where given:
+    :func:`kvpass.reference.read_with_query_scales`). A decode step's three are one compiled graph: a compiled
     call's wrappers (Dynamo's, AOT's) cost more than its one token's work (a SmolLM2 step: 30 calls, not
     90; ``docs/bench-decode.md``), and so did the query scales' products made eagerly before it. The codes
     are the reference's bit for bit, as :func:`encode_refined`'s."""
 
     def apart():
-        q_read = reference.by_query_scales(q, k_query_scales, -1)
-        k_read = reference.by_query_scales(k_new, k_query_scales, 1)
+        q_read, k_read = reference.read_with_query_scales(q, k_new, k_query_scales)
         return (attention(q_read, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_read, v_new,
                           attn_mask, scale, False, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes,
                           v_fine_scales, k_head, k_offset, v_head, v_offset),

@@ -355,7 +355,7 @@ def _decode_step_on_cpu(
     of each new token in its cache's dtype with its cache's offset (``refine`` 0: no second plane, 0 rows
     of it): ``(out, *k_stored, *v_stored)``, each four tensors. A query-scaled K's scales
     (``k_query_scales``, else None) divide ``q`` and multiply ``k_new`` first, as attention reads a stored
-    key and an append stores one (:func:`kvpass.reference.by_query_scales`).
+    key and an append stores one (:func:`kvpass.reference.read_with_query_scales`).
     One op, not three: the work is one token's, and on CPU each call costs more than its work
     (:func:`kvpass.cpu_steps.decode_step` compiles the three as one graph)."""
     return cpu_steps.decode_step(
@@ -384,7 +384,7 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
     k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales) = (
         rest[:n], rest[n : 2 * n], rest[2 * n :]
     )  # fmt: skip
-    q, k_new = reference.by_query_scales(q, k_query_scales, -1), reference.by_query_scales(k_new, k_query_scales, 1)
+    q, k_new = reference.read_with_query_scales(q, k_new, k_query_scales)
     out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                     False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *planes, k_head, k_offset, v_head,
                     v_offset)  # fmt: skip

@@ -1015,8 +1015,7 @@ def _attention_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask, scale,
         attn_mask = reference.mask_with_filled_pads(attn_mask, k.filled_pads, q.shape[2], keys, is_causal)
         is_causal = False
     if query_scaled:
-        # Stored keys are k * s: reading them with q / s gives every logit its value; new keys join the stored.
-        q, k_new = reference.by_query_scales(q, k.query_scales, -1), reference.by_query_scales(k_new, k.query_scales, 1)
+        q, k_new = reference.read_with_query_scales(q, k_new, k.query_scales)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     v_stored = [v.codes, v.scales, v.residual, v.fine_codes, v.fine_scales, v.head, v.offset]

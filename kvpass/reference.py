@@ -740,6 +740,12 @@ def by_query_scales(x: torch.Tensor | None, query_scales: torch.Tensor | None, p
     return (x.float() * factor if power > 0 else x.float() / factor).to(x.dtype)
 
 
+def read_with_query_scales(q: torch.Tensor, k_new: torch.Tensor | None, query_scales: torch.Tensor | None):
+    """``(q / s, k_new * s)`` for a cache whose stored keys are ``k * s`` (:func:`by_query_scales`): the
+    query that reads them gives every logit its value, and new keys join them as stored."""
+    return by_query_scales(q, query_scales, -1), by_query_scales(k_new, query_scales, 1)
+
+
 # H + ROUNDING_DAMPING * mean(diag H) * I: one append's queries are few samples of the queries that
 # will read its tokens (a decode step's are one token's query heads); less damped, H overfits them
 # (on Gemma 3's 256-channel heads 0.3 lost perplexity where 1 did not).

@@ -150,7 +150,7 @@ def test_decode_step_applies_ks_query_scales_as_attention_reads_and_an_append_st
     specs = (*ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec))
     extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
     got = ops.decode_step(q, *stored, k_new, v_new, None, 0.125, *specs, *extra, k.query_scales)
-    q_read, k_read = (reference.by_query_scales(t, k.query_scales, power) for t, power in ((q, -1), (k_new, 1)))
+    q_read, k_read = reference.read_with_query_scales(q, k_new, k.query_scales)
     expected = ops.decode_step(q_read, *stored, k_read, v_new, None, 0.125, *specs, *extra, None)
     assert not torch.equal(q_read, q)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
