@@ -121,11 +121,10 @@ def print_append_layers(cache: DynamicCache, repeats: int = 2000) -> None:
     }
     if cpu_steps.enabled:  # not with --eager-steps
         args = (cpu_steps._step(new), spec, reference.quantize, None, None)
-        for _ in range(2):  # a key's first call runs eagerly, its second compiles
+        for _ in range(2):  # a key's first call runs eagerly, its second compiles (or a recent graph takes it)
             encode_refined(new, spec)
-        # The key's graph for calls made as the op's body makes them (the dispatched line compiles another).
-        graphs = cpu_steps._compiled[reference.encode_refined, cpu_steps._encoding(args[0], spec, None, None)]
-        graph = next(graph for graph in graphs if graph(*args) is not None)
+        # The graph that took the calls made as the op's body makes them (the dispatched line compiles another).
+        graph = cpu_steps._recent[reference.encode_refined][0]
         layers["the compiled quantization alone"] = lambda: graph(*args)
     print(f"the first layer's V append at {S} tokens, warm, by the layers of its call (median of {repeats}):")
     for name, call in layers.items():
