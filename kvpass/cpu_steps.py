@@ -464,14 +464,14 @@ def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual
 
 def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                 k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
-                v_head, v_offset, k_query_scales=None):  # fmt: skip
+                v_head, v_offset, k_query_scales):  # fmt: skip
     """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
     dtypes, with their caches' offsets (an unrefined spec's second planes: 0 rows): ``(out, *k_stored,
-    *v_stored)``, ``q`` and ``k_new`` read with K's ``k_query_scales`` first (where given:
-    :func:`kvpass.reference.read_with_query_scales`). A decode step's three are one compiled graph: a compiled
-    call's wrappers (Dynamo's, AOT's) cost more than its one token's work (a SmolLM2 step: 30 calls, not
-    90; ``docs/bench-decode.md``), and so did the query scales' products made eagerly before it. The codes
-    are the reference's bit for bit, as :func:`encode_refined`'s."""
+    *v_stored)``, ``q`` and ``k_new`` read with K's ``k_query_scales`` first (None: K has none;
+    :func:`kvpass.reference.read_with_query_scales`). A decode step's three are one compiled graph: a
+    compiled call's wrappers (Dynamo's, AOT's) cost more than its one token's work (a SmolLM2 step: 30
+    calls, not 90; ``docs/bench-decode.md``), and so did the query scales' products made eagerly before
+    it. The codes are the reference's bit for bit, as :func:`encode_refined`'s."""
 
     def apart():
         q_read, k_read = reference.read_with_query_scales(q, k_new, k_query_scales)
