@@ -26,7 +26,9 @@ so each structure (spec, shape, which optional parts are present) compiles once 
 (kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
 are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure
 is logged once and the reference runs eagerly from then on; an input the reference itself rejects
-raises its error and leaves the compiled path on.
+raises its error and leaves the compiled path on. Under a ``torch.compiler.set_stance`` other than the
+default nothing new compiles: graphs already compiled still run, other calls run eagerly (logged once a
+stance), and compiling resumes with the default stance.
 """
 
 from __future__ import annotations
@@ -155,6 +157,8 @@ def _compiled_result(fn, args, key, traced):
                 log.warning("kvpass: %s runs eagerly on CPU here: it compiled %d graphs for one key, none of "
                             "which takes these inputs", fn.__name__, GRAPHS_PER_KEY)  # fmt: skip
             return None
+        if not _stance_compiles():
+            return None
         with warnings.catch_warnings():
             # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
             # append converts to fp16 scales in one loop.
@@ -166,6 +170,26 @@ def _compiled_result(fn, args, key, traced):
             raise RuntimeError(f"a graph of {fn.__name__} rejects the inputs it was compiled for")
     recent[:] = [graph, *recent[: RECENT_GRAPHS - 1]]
     return result
+
+
+def _stance_compiles() -> bool:
+    """Whether ``torch.compiler.set_stance`` lets a new graph compile: only the default stance does.
+    The others ask for no new compiles (``force_eager``, ``eager_on_recompile``, ``fail_on_recompile``),
+    or for another compiler (``eager_then_compile``, ``force_backend``), and Dynamo would skip or fail
+    the compile; until the stance is the default again, a call that no kept graph takes runs eagerly."""
+    stance = torch._dynamo.eval_frame._stance  # set_stance's state, which torch gives no getter
+    if stance.stance == "default" and stance.backend is None:
+        return True
+    name = stance.stance if stance.backend is None else f"force_backend={stance.backend!r}"
+    if name not in _stances_warned:
+        _stances_warned.add(name)
+        log.warning("kvpass: decode steps compile no new graph on CPU under torch.compiler's stance %s: calls no "
+                    "compiled graph takes run eagerly until the stance is the default again", name)  # fmt: skip
+    return False
+
+
+# Stances _stance_compiles has warned of (once each).
+_stances_warned = set()
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:

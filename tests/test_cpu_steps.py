@@ -150,6 +150,41 @@ def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps,
     assert "Inductor failed (RuntimeError: no C++ compiler)" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "stance, named",
+    [
+        (dict(stance="force_eager"), "force_eager"),
+        (dict(stance="eager_on_recompile"), "eager_on_recompile"),
+        (dict(stance="fail_on_recompile"), "fail_on_recompile"),
+        (dict(stance="eager_then_compile"), "eager_then_compile"),
+        (dict(force_backend="eager"), "force_backend='eager'"),
+    ],
+)
+def test_a_stance_against_compiling_runs_eagerly_until_it_is_lifted(compiled_steps, monkeypatch, caplog, stance, named):
+    # Dynamo skips or fails a compile under these stances; before, kvpass read that as Inductor
+    # failing and ran every later decode step eagerly.
+    monkeypatch.setattr(cpu_steps, "_stances_warned", set())
+    x = torch.randn(1, 2, 1, 64)
+    expected = reference.encode_refined(x, DEFAULT.v)
+    with caplog.at_level(logging.WARNING, logger="kvpass"), torch.compiler.set_stance(**stance):
+        held = [cpu_steps.encode_refined(x, DEFAULT.v) for _ in range(3)]
+    assert compiled_steps == [] and cpu_steps.enabled
+    assert caplog.text.count(f"compile no new graph on CPU under torch.compiler's stance {named}:") == 1
+    assert "Inductor failed" not in caplog.text
+    got = cpu_steps.encode_refined(x, DEFAULT.v)
+    assert compiled_steps == [reference.encode_refined]
+    assert all(torch.equal(a, b) for out in (*held, got) for a, b in zip(out, expected))
+
+
+def test_a_kept_graph_runs_under_any_stance(compiled_steps):
+    x = torch.randn(1, 2, 1, 64)
+    _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
+    with torch.compiler.set_stance("force_eager"):
+        got = cpu_steps.encode_refined(x, DEFAULT.v)
+    assert compiled_steps == [reference.encode_refined] * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, DEFAULT.v)))
+
+
 def test_an_input_the_reference_rejects_raises_its_error_and_keeps_the_compiled_path(compiled_steps):
     for _ in range(2):  # eagerly, then through the compiled code
         with pytest.raises(ValueError, match="head_dim 7 must be a multiple of 2"):
