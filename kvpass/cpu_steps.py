@@ -172,6 +172,10 @@ def _compiled_result(fn, args, key, traced):
     return result
 
 
+# Stances _stance_compiles has warned of (once each).
+_stances_warned = set()
+
+
 def _stance_compiles() -> bool:
     """Whether ``torch.compiler.set_stance`` lets a new graph compile: only the default stance does.
     The others ask for no new compiles (``force_eager``, ``eager_on_recompile``, ``fail_on_recompile``),
@@ -186,10 +190,6 @@ def _stance_compiles() -> bool:
         log.warning("kvpass: decode steps compile no new graph on CPU under torch.compiler's stance %s: calls no "
                     "compiled graph takes run eagerly until the stance is the default again", name)  # fmt: skip
     return False
-
-
-# Stances _stance_compiles has warned of (once each).
-_stances_warned = set()
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
