@@ -112,7 +112,7 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, 
 
 
 @quantize.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, rounding=None):
+def _quantize_on_cuda(x, bits, scheme, group, rotate, symmetric, span_heads, clip, offset=None, rounding=None):
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip)
     return reference.encode(x.contiguous(), spec, offset, _quantizer_for(spec), rounding)
 
@@ -150,7 +150,8 @@ def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offse
 
 
 @quantize_refined.register_kernel("cuda")
-def _(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None, rounding=None):
+def _quantize_refined_on_cuda(x, bits, scheme, group, rotate, symmetric, span_heads, clip, refine, offset=None,
+                              rounding=None):  # fmt: skip
     spec = _spec(bits, scheme, group, rotate, symmetric, span_heads, clip=clip, refine=refine)
     if not refine:  # a plane of 0 rows: quantize's launch alone
         layout = (bits, scheme, group, rotate, symmetric, span_heads)
@@ -288,7 +289,8 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 
 
 @attention.register_kernel("cuda")
-def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, is_causal, *rest):
+def _attention_on_cuda(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+                       is_causal, *rest):  # fmt: skip
     n = SPEC_ARGS
     # A registered kernel gets the arguments as called, the schema's defaults not filled in.
     k_spec, v_spec = _spec(*rest[:n]), _spec(*rest[n : 2 * n])
@@ -379,7 +381,8 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 
 
 @decode_step.register_kernel("cuda")
-def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, *rest):
+def _decode_step_on_cuda(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
+                         scale, *rest):  # fmt: skip
     n = _REFINED_ARGS
     k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales) = (
         rest[:n], rest[n : 2 * n], rest[2 * n :]

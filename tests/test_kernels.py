@@ -556,3 +556,56 @@ def test_kernels_read_only_the_globals_compiled_triton_accepts():
                 if value is not None and not isinstance(value, (tl.constexpr, types.ModuleType)) and not hasattr(value, "fn"):
                     bad.append(f"{module.__name__}.{name} reads {read} = {value!r}")
     assert not bad, bad
+
+
+# --- the ops' CUDA kernels -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ops_cuda_kernels_given_cpu_tensors_agree_with_their_cpu_kernels(dtype, monkeypatch):
+    """What a GPU would run, checked without one: each op's CUDA kernel (``ops._*_on_cuda``: the specs
+    rebuilt from the op's scalars, the arguments passed on) given CPU tensors launches the Triton
+    kernels here, through the interpreter (a decode step's calls the attention and quantize_refined ops,
+    which go to their CPU kernels), against the op's CPU kernel: codes and scales bit for bit, attention
+    within ``TOLERANCE``. The default spec's K: sinks, an offset, query scales, a second plane."""
+    from kvpass import kernels, ops
+    from kvpass.config import KVConfig
+    from kvpass.packed import PackedKV, _attention_args
+
+    launched = []
+
+    def counted(name, kernel):
+        return lambda *args: launched.append(name) or kernel(*args)
+
+    for name in ("quantize", "quantize_refined", "attention"):
+        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
+    config = KVConfig()
+    gen = torch.Generator().manual_seed(11)
+    q_past = torch.randn(2, 4, 70, 64, generator=gen).to(dtype)
+    k = PackedKV.from_float(torch.randn(2, 2, 70, 64, generator=gen).to(dtype), config.k, query=q_past)
+    v = PackedKV.from_float(torch.randn(2, 2, 70, 64, generator=gen).to(dtype), config.v)
+    assert k.n_head == 4 and all(reference.fixed_or_none(t) is not None for t in (k.offset, k.query_scales))
+    q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen).to(dtype) for heads in (4, 2, 2))
+    x = torch.randn(2, 2, 5, 64, generator=gen).to(dtype)
+    for spec, offset in ((config.k, k.offset), (config.v, None)):
+        codec = ops.codec_args(spec)
+        for on_cuda, on_cpu, args in ((ops._quantize_on_cuda, ops._quantize_on_cpu, (x, *codec, offset)),
+                                      (ops._quantize_refined_on_cuda, ops._quantize_refined_on_cpu,
+                                       (x, *codec, spec.refine, offset))):  # fmt: skip
+            assert all(bits_equal(a, b) for a, b in zip(on_cuda(*args), on_cpu(*args), strict=True))
+    mask = torch.rand(2, 1, 1, k.shape[2] + 1, generator=gen) > 0.3
+    args = _attention_args(q, k, v, k_new, v_new, mask, None, False, 0.0, None)
+    # A kernel gets the arguments as called, also without the optional ones (softcap, planes, sinks,
+    # offset): V's spec for K too, which has no sinks to leave out.
+    plain_k = PackedKV.from_float(torch.randn(2, 2, 70, 64, generator=gen).to(dtype), config.v)
+    required = _attention_args(q, plain_k, v, k_new, v_new, mask, None, False, 0.0, None)[: 12 + 2 * ops.SPEC_ARGS]
+    for given in (args, required):
+        torch.testing.assert_close(ops._attention_on_cuda(*given), ops._attention_on_cpu(*given), **TOLERANCE[dtype])
+    stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, mask, 0.125)
+    extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
+    args = (q, *stored, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *extra, k.query_scales)
+    got, expected = ops._decode_step_on_cuda(*args), ops._decode_step_on_cpu(*args)
+    assert all(bits_equal(a, b) for a, b in zip(got, expected, strict=True))
+    # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention. The
+    # decode step's ops went to their CPU kernels.
+    assert launched == ["quantize", "quantize_refined", "quantize", "quantize_refined", "attention", "attention"]
