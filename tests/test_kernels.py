@@ -606,6 +606,6 @@ def test_the_ops_cuda_kernels_given_cpu_tensors_agree_with_their_cpu_kernels(dty
     args = (q, *stored, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *extra, k.query_scales)
     got, expected = ops._decode_step_on_cuda(*args), ops._decode_step_on_cpu(*args)
     assert all(bits_equal(a, b) for a, b in zip(got, expected, strict=True))
-    # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention. The
-    # decode step's ops went to their CPU kernels.
+    # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention twice.
+    # The decode step's ops went to their CPU kernels.
     assert launched == ["quantize", "quantize_refined", "quantize", "quantize_refined", "attention", "attention"]
