@@ -3,6 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
+from kvpass import ops
 from kvpass.packed import PackedKV
 
 
@@ -104,6 +105,14 @@ def bits_equal(a, b):
     if not torch.equal(a.isnan(), b.isnan()):
         return False
     return torch.equal(a.nan_to_num(0.0).view(torch.int16), b.nan_to_num(0.0).view(torch.int16))
+
+
+def decode_step_args(q, k: PackedKV, v: PackedKV, k_new, v_new, attn_mask=None, scale=0.125) -> tuple:
+    """``kv4::decode_step``'s arguments for query ``q`` and new tokens ``k_new``, ``v_new`` after caches
+    ``k`` and ``v`` (K's query scales last, None where it has none)."""
+    return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, attn_mask, scale,
+            *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
+            v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset, k.query_scales)  # fmt: skip
 
 
 def same_stored_bits(a, b) -> bool:

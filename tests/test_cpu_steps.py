@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from kvpass import cpu_steps, ops, packed, reference
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
-from tests.helpers import bits_equal, hard_values, kv_heavy_llama, same_stored_bits
+from tests.helpers import bits_equal, decode_step_args, hard_values, kv_heavy_llama, same_stored_bits
 
 DEFAULT = KVConfig()
 
@@ -225,20 +225,13 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
             *ops.spec_args(k.spec), *ops.spec_args(v.spec), 0.0, None, None, v.fine_codes, v.fine_scales)  # fmt: skip
     torch.library.opcheck(ops.attention, args)
     k = PackedKV.from_float(torch.randn(2, 3, 70, 64), dataclasses.replace(DEFAULT.k.for_slots, refine=64))
-    torch.library.opcheck(ops.decode_step, _decode_step_args(k, v, torch.randn(2, 6, 1, 64)))
+    q, k_new, v_new = torch.randn(2, 6, 1, 64), torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64)
+    torch.library.opcheck(ops.decode_step, decode_step_args(q, k, v, k_new, v_new))
     # opcheck calls the real kernel on plain tensors too, more than once: the later calls went
     # through the compiled code.
     assert {reference.encode_refined, reference.encode, cpu_steps._decode_attention, cpu_steps._decode_step} <= set(
         compiled_steps
     )  # fmt: skip
-
-
-def _decode_step_args(k, v, q):
-    """``kv4::decode_step``'s arguments for one new token after caches ``k`` and ``v``."""
-    k_new, v_new = (torch.randn(*t.shape[:2], 1, t.shape[-1], dtype=t.dtype) for t in (k.residual, v.residual))
-    return (q, k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, None, 0.125,
-            *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), 0.0, k.fine_codes, k.fine_scales,
-            v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset, k.query_scales)  # fmt: skip
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ if not KERNELS_INTERPRETED:
     )
 
 from kvpass.kernels import attention, quantize, quantize_refined  # noqa: E402
-from tests.helpers import bits_equal, hard_values  # noqa: E402
+from tests.helpers import bits_equal, decode_step_args, hard_values  # noqa: E402
 
 # Tolerances of the fused attention against the fp32 reference, per input dtype:
 # - fp32: operands stay fp32 and the dots are IEEE fp32; only summation order and exp
@@ -601,9 +601,7 @@ def test_the_ops_cuda_kernels_given_cpu_tensors_agree_with_their_cpu_kernels(dty
     required = _attention_args(q, plain_k, v, k_new, v_new, mask, None, False, 0.0, None)[: 12 + 2 * ops.SPEC_ARGS]
     for given in (args, required):
         torch.testing.assert_close(ops._attention_on_cuda(*given), ops._attention_on_cpu(*given), **TOLERANCE[dtype])
-    stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual, k_new, v_new, mask, 0.125)
-    extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
-    args = (q, *stored, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *extra, k.query_scales)
+    args = decode_step_args(q, k, v, k_new, v_new, mask)
     got, expected = ops._decode_step_on_cuda(*args), ops._decode_step_on_cpu(*args)
     assert all(bits_equal(a, b) for a, b in zip(got, expected, strict=True))
     # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention twice.

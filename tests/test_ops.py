@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpass import ops, reference
 from kvpass.config import KVConfig, QuantSpec
+from tests.helpers import decode_step_args
 
 KIVI = (QuantSpec(4, "channel", 64), QuantSpec(4, "token", 128))
 ROTATED = (QuantSpec(4, "token", 64, rotate=True), QuantSpec(4, "token", 64, rotate=True))
@@ -146,15 +147,13 @@ def test_decode_step_applies_ks_query_scales_as_attention_reads_and_an_append_st
     v = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().v)
     assert reference.fixed_or_none(k.query_scales) is not None
     q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen, dtype=dtype) for heads in (4, 2, 2))
-    stored = (k.codes, k.scales, k.residual, v.codes, v.scales, v.residual)
-    specs = (*ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec))
-    extra = (0.0, k.fine_codes, k.fine_scales, v.fine_codes, v.fine_scales, k.head, k.offset, v.head, v.offset)
-    got = ops.decode_step(q, *stored, k_new, v_new, None, 0.125, *specs, *extra, k.query_scales)
+    args = decode_step_args(q, k, v, k_new, v_new)
+    got = ops.decode_step(*args)
     q_read, k_read = reference.read_with_query_scales(q, k_new, k.query_scales)
-    expected = ops.decode_step(q_read, *stored, k_read, v_new, None, 0.125, *specs, *extra, None)
+    expected = ops.decode_step(*decode_step_args(q_read, k, v, k_read, v_new)[:-1], None)
     assert not torch.equal(q_read, q)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    torch.library.opcheck(ops.decode_step, (q, *stored, k_new, v_new, None, 0.125, *specs, *extra, k.query_scales))
+    torch.library.opcheck(ops.decode_step, args)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 100])
