@@ -365,8 +365,14 @@ def hadamard(n: int, device=None) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x @ H`` along the last dimension; applying it twice is the identity."""
-    return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
+    """``x @ H`` along the last dimension; applying it twice is the identity.
+
+    One ``mm`` over contiguous rows whatever ``x``'s layout: ``matmul`` runs a layout it cannot view as
+    rows as a ``bmm``, whose sums (one row a batch) round otherwise, and a graph traced from this code
+    makes its own choice between them. Rows always give the same call (Inductor's included), so the
+    compiled quantization is this one's bit for bit (``tests/test_cpu_steps.py``)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous().float()
+    return (rows @ hadamard(x.shape[-1], x.device)).view(x.shape).to(x.dtype)
 
 
 # --- quantize / dequantize -------------------------------------------------------------

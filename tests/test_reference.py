@@ -396,6 +396,15 @@ def test_hadamard_is_orthonormal_and_involutive(n):
     assert (R.rotate(spike).abs() > 0).sum() == n & -n
 
 
+@pytest.mark.parametrize("n", [64, 80])
+def test_rotate_rounds_tokens_alike_whatever_their_layout(n):
+    # matmul runs a layout it cannot view as rows as a bmm, whose sums round otherwise: a model's
+    # tokens (HF's heads are a projection's columns) and a graph's must store the same values.
+    x = torch.randn(9, 3, 1, n, generator=torch.Generator().manual_seed(0)) * 3  # [B, H, 1, D]
+    for laid_out in (x.transpose(0, 2).contiguous().transpose(0, 2), x.transpose(1, 2).contiguous().transpose(1, 2)):
+        assert torch.equal(R.rotate(laid_out), R.rotate(x))
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
