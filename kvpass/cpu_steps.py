@@ -26,9 +26,9 @@ so each structure (spec, shape, which optional parts are present) compiles once 
 (kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
 are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure
 is logged once and the reference runs eagerly from then on; an input the reference itself rejects
-raises its error and leaves the compiled path on. Under a ``torch.compiler.set_stance`` other than the
-default nothing new compiles: graphs already compiled still run, other calls run eagerly (logged once a
-stance), and compiling resumes with the default stance.
+raises its error and leaves the compiled path on. With Dynamo disabled, or under a
+``torch.compiler.set_stance`` other than the default, nothing new compiles: graphs already compiled
+still run, other calls run eagerly (logged once), and compiling resumes when that is lifted.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import types
 import warnings
 
@@ -157,7 +158,7 @@ def _compiled_result(fn, args, key, traced):
                 log.warning("kvpass: %s runs eagerly on CPU here: it compiled %d graphs for one key, none of "
                             "which takes these inputs", fn.__name__, GRAPHS_PER_KEY)  # fmt: skip
             return None
-        if not _stance_compiles():
+        if not _may_compile():
             return None
         with warnings.catch_warnings():
             # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
@@ -172,23 +173,29 @@ def _compiled_result(fn, args, key, traced):
     return result
 
 
-# Stances _stance_compiles has warned of (once each).
-_stances_warned = set()
+# What _may_compile has warned of (once each).
+_refusals_warned = set()
 
 
-def _stance_compiles() -> bool:
-    """Whether ``torch.compiler.set_stance`` lets a new graph compile: only the default stance does.
-    The others ask for no new compiles (``force_eager``, ``eager_on_recompile``, ``fail_on_recompile``),
-    or for another compiler (``eager_then_compile``, ``force_backend``), and Dynamo would skip or fail
-    the compile; until the stance is the default again, a call that no kept graph takes runs eagerly."""
+def _may_compile() -> bool:
+    """Whether a new graph may compile now: Dynamo is on and ``torch.compiler.set_stance`` is at its
+    default. With Dynamo disabled (``TORCHDYNAMO_DISABLE=1``, ``torch._dynamo.config.disable``)
+    ``torch.compile`` compiles nothing; the other stances ask for no new compiles (``force_eager``,
+    ``eager_on_recompile``, ``fail_on_recompile``) or for another compiler (``eager_then_compile``,
+    ``force_backend``), and Dynamo would skip or fail the compile. Neither is Inductor failing: until
+    it is lifted, a call that no kept graph takes runs eagerly."""
     stance = torch._dynamo.eval_frame._stance  # set_stance's state, which torch gives no getter
-    if stance.stance == "default" and stance.backend is None:
+    if os.environ.get("TORCHDYNAMO_DISABLE") == "1" or torch._dynamo.config.disable:
+        refusal = "with Dynamo disabled (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
+    elif stance.stance == "default" and stance.backend is None:
         return True
-    name = stance.stance if stance.backend is None else f"force_backend={stance.backend!r}"
-    if name not in _stances_warned:
-        _stances_warned.add(name)
-        log.warning("kvpass: decode steps compile no new graph on CPU under torch.compiler's stance %s: calls no "
-                    "compiled graph takes run eagerly until the stance is the default again", name)  # fmt: skip
+    else:
+        name = stance.stance if stance.backend is None else f"force_backend={stance.backend!r}"
+        refusal = f"under torch.compiler's stance {name}"
+    if refusal not in _refusals_warned:
+        _refusals_warned.add(refusal)
+        log.warning("kvpass: decode steps compile no new graph on CPU %s: calls no compiled graph takes run "
+                    "eagerly until it is lifted", refusal)  # fmt: skip
     return False
 
 

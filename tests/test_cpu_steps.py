@@ -185,13 +185,33 @@ def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps,
 )
 def test_a_stance_against_compiling_runs_eagerly_until_it_is_lifted(compiled_steps, monkeypatch, caplog, stance, named):
     # Dynamo skips or fails a compile under these stances: no Inductor failure, so the path stays on.
-    monkeypatch.setattr(cpu_steps, "_stances_warned", set())
+    monkeypatch.setattr(cpu_steps, "_refusals_warned", set())
     x = torch.randn(1, 2, 1, 64)
     expected = reference.encode_refined(x, DEFAULT.v)
     with caplog.at_level(logging.WARNING, logger="kvpass"), torch.compiler.set_stance(**stance):
         held = [cpu_steps.encode_refined(x, DEFAULT.v) for _ in range(3)]
     assert compiled_steps == [] and cpu_steps.enabled
     assert caplog.text.count(f"compile no new graph on CPU under torch.compiler's stance {named}:") == 1
+    assert "Inductor failed" not in caplog.text
+    got = cpu_steps.encode_refined(x, DEFAULT.v)
+    assert compiled_steps == [reference.encode_refined]
+    assert all(torch.equal(a, b) for out in (*held, got) for a, b in zip(out, expected))
+
+
+@pytest.mark.parametrize("disable", ["environment", "config"])
+def test_disabled_dynamo_runs_eagerly_until_it_is_enabled(compiled_steps, monkeypatch, caplog, disable):
+    # torch.compile compiles nothing then: read as Inductor failing, it turned the path off for good.
+    monkeypatch.setattr(cpu_steps, "_refusals_warned", set())
+    x = torch.randn(1, 2, 1, 64)
+    expected = reference.encode_refined(x, DEFAULT.v)
+    with monkeypatch.context() as off, caplog.at_level(logging.WARNING, logger="kvpass"):
+        if disable == "environment":
+            off.setenv("TORCHDYNAMO_DISABLE", "1")
+        else:
+            off.setattr(torch._dynamo.config, "disable", True)
+        held = [cpu_steps.encode_refined(x, DEFAULT.v) for _ in range(3)]
+    assert compiled_steps == [] and cpu_steps.enabled
+    assert caplog.text.count("compile no new graph on CPU with Dynamo disabled") == 1
     assert "Inductor failed" not in caplog.text
     got = cpu_steps.encode_refined(x, DEFAULT.v)
     assert compiled_steps == [reference.encode_refined]
