@@ -256,25 +256,57 @@ def _reading(head_dim: int, spec, device: torch.device) -> torch.Tensor:
     return base[:, reference.field_order(head_dim, spec, device)].contiguous()
 
 
+def _inner_dims(D: int, spec) -> tuple[int, ...]:
+    """The dimensions a part of a ``spec`` cache splits its field-major head dim into for the attention's
+    sums: ``(runs, fields, run)`` for a per-token spec within a head (a run is a token group's bytes),
+    else ``(D,)``. A flat channel index into a run of packed bytes takes a division and a modulo per
+    element, which Inductor's C++ code reads as a gather, one scalar load a byte; with a dimension per
+    field and one per byte of a run, each loop reads a run's bytes as one vector (the bench model's
+    decode step at 1K tokens 5.1-5.4 -> 3.8-3.9 ms, at 4K 9.7-9.9 -> 5.2-5.3 ms; docs/bench-decode.md)."""
+    run = reference.field_run(D, spec)
+    if spec.scheme != "token" or spec.span_heads or run == 0:
+        return (D,)
+    fields = 8 // spec.bits
+    return (D // (run * fields), fields, run)
+
+
+def _fields(codes: torch.Tensor, scales: torch.Tensor, spec) -> torch.Tensor:
+    """:func:`kvpass.reference.dequantize_field_major` of a per-token spec's ``codes``, the same numbers
+    in :func:`_inner_dims`: ``[B, H, n, runs, fields, run]``, a field a shift of the byte read."""
+    bits, fields = spec.bits, 8 // spec.bits
+    B, H, S, n_bytes = codes.shape
+    runs, _, run = _inner_dims(n_bytes * fields, spec)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(fields, 1)
+    q = ((codes.view(B, H, S, runs, 1, run) >> shifts) & ((1 << bits) - 1)).float()
+    if spec.symmetric:
+        q = q - (1 << (bits - 1))  # the offset a signed code is stored with (reference.pack_codes)
+    scale, zero = reference.split_scales(scales, spec)  # [B, H, S, runs]: a scale a run
+    q = q * reference.scale_values(scale)[..., None, None]
+    return q if zero is None else q + reference.scale_values(zero)[..., None, None]
+
+
 def _stored_parts(codes, scales, residual, spec, fine_codes, fine_scales, head):
-    """A cache's stored tokens, in order, as ``(values [B, H, n, D] fp32 field-major, quantized)`` parts.
+    """A cache's stored tokens, in order, as ``(values [B, H, n, *inner] fp32 field-major, quantized)``
+    parts, ``inner`` the dimensions :func:`_inner_dims` splits the head dim into.
 
     Each part is an expression for Inductor to read inside its reduction, never a block in memory.
     The refined tokens are a part of their own, so their two planes add element by element. Lengths
     are unbacked symbols (:func:`_unbacked`): a part may be empty, and nothing here branches on one."""
-    order = reference.field_order(residual.shape[-1], spec, residual.device)
+    D = residual.shape[-1]
+    order, inner = reference.field_order(D, spec, residual.device), _inner_dims(D, spec)
+    dequantized = functools.partial(_fields if len(inner) > 1 else reference.dequantize_field_major, spec=spec)
     _check_scales(codes, scales, spec)
     split = codes.shape[2] - (0 if fine_codes is None else fine_codes.shape[2])
     torch._check(split >= 0)
     parts = []
     if head is not None and head.shape[2]:  # a fixed count, not a symbol
-        parts.append((head.float()[..., order], False))
-    parts.append((reference.dequantize_field_major(codes[:, :, :split], scales[:, :, :split], spec), True))
+        parts.append((head.float()[..., order].unflatten(-1, inner), False))
+    parts.append((dequantized(codes[:, :, :split], scales[:, :, :split]), True))
     if fine_codes is not None:
         _check_scales(fine_codes, fine_scales, spec)
-        coarse = reference.dequantize_field_major(codes[:, :, split:], scales[:, :, split:], spec)
-        parts.append((coarse + reference.dequantize_field_major(fine_codes, fine_scales, spec), True))
-    parts.append((residual.float()[..., order], False))
+        coarse = dequantized(codes[:, :, split:], scales[:, :, split:])
+        parts.append((coarse + dequantized(fine_codes, fine_scales), True))
+    parts.append((residual.float()[..., order].unflatten(-1, inner), False))
     return parts
 
 
@@ -293,17 +325,23 @@ ROW_SUMS = 8
 
 
 def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``q [B, H, rep, D]`` against every token of ``keys [B, H, n, D]``: ``[B, H, rep, n]``."""
+    """``q [B, H, rep, D]`` against every token of ``keys [B, H, n, *inner]``: ``[B, H, rep, n]``."""
+    inner = keys.shape[3:]
+    q = q.unflatten(-1, inner)
+    dims = tuple(range(-len(inner), 0))
     if q.shape[2] > ROW_SUMS:
-        return (q[:, :, :, None, :] * keys[:, :, None]).sum(-1)
-    return torch.stack([(keys * q[:, :, r, None, :]).sum(-1) for r in range(q.shape[2])], 2)
+        return (q[:, :, :, None] * keys[:, :, None]).sum(dims)
+    return torch.stack([(keys * q[:, :, r, None]).sum(dims) for r in range(q.shape[2])], 2)
 
 
 def _weighted(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``p [B, H, rep, n]`` weighting ``values [B, H, n, D]``: ``[B, H, rep, D]``."""
+    """``p [B, H, rep, n]`` weighting ``values [B, H, n, *inner]``: ``[B, H, rep, D]``."""
+    expand = (...,) + (None,) * (values.dim() - 3)
     if p.shape[2] > ROW_SUMS:
-        return (p[..., None] * values[:, :, None]).sum(-2)
-    return torch.stack([(p[:, :, r, :, None] * values).sum(-2) for r in range(p.shape[2])], 2)
+        out = (p[expand] * values[:, :, None]).sum(3)
+    else:
+        out = torch.stack([(p[:, :, r][expand] * values).sum(2) for r in range(p.shape[2])], 2)
+    return out.flatten(3)
 
 
 def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,

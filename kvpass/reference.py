@@ -497,7 +497,7 @@ def _scaled(q: torch.Tensor, scales: torch.Tensor, spec: QuantSpec, dtype=torch.
     return x.reshape(B, H, S, D).to(dtype)
 
 
-def _field_run(D: int, spec: QuantSpec) -> int:
+def field_run(D: int, spec: QuantSpec) -> int:
     """Bytes per run of :func:`field_order`: one token group's (a per-token spec within a head), else a
     whole row."""
     within_head = spec.scheme == "token" and not spec.span_heads
@@ -520,8 +520,8 @@ def sequence_major_strides(shape) -> tuple[int, ...]:
 
 def field_order(D: int, spec: QuantSpec, device=None) -> torch.Tensor:
     """Head-dim indices in the order :func:`dequantize_field_major` returns: within each run of
-    ``run`` bytes (:func:`_field_run`), field 0 of every byte, then field 1, and so on."""
-    return _field_order(D, spec.bits, max(_field_run(D, spec), 1), torch.device(device or "cpu"))
+    ``run`` bytes (:func:`field_run`), field 0 of every byte, then field 1, and so on."""
+    return _field_order(D, spec.bits, max(field_run(D, spec), 1), torch.device(device or "cpu"))
 
 
 def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -535,7 +535,7 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
     bits, per_byte = spec.bits, 8 // spec.bits
     B, H, S, n_bytes = codes.shape
     D = n_bytes * per_byte
-    run = _field_run(D, spec)
+    run = field_run(D, spec)
     if run == 0:  # groups smaller than a byte's fields
         return dequantize(codes, scales, spec)[..., field_order(D, spec, codes.device)]
     runs = n_bytes // run

@@ -110,6 +110,32 @@ def test_a_decode_steps_quantization_is_the_same_whatever_its_tokens_layout(comp
     assert compiled_steps == [reference.encode_refined] * len(offsets)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        DEFAULT.k,
+        QuantSpec(bits=4, scheme="token", group=32, symmetric=False),
+        QuantSpec(bits=4, scheme="token", group=8),  # narrow groups: 8-bit scales
+        QuantSpec(bits=2, scheme="token", group=16, clip=True),
+        QuantSpec(bits=8, scheme="token", group=64),
+    ],
+    ids=lambda spec: spec.tag,
+)
+def test_the_attentions_fields_are_the_references_field_major_values_bit_for_bit(spec):
+    x = hard_values((1, 3, 9, 64), torch.float32, torch.Generator().manual_seed(spec.bits + spec.group))
+    codes, scales = reference.quantize(reference.rotate(x) if spec.rotate else x, spec)
+    got = cpu_steps._fields(codes, scales, spec)
+    runs, fields, run = cpu_steps._inner_dims(64, spec)
+    assert got.shape == (1, 3, 9, runs, fields, run) and runs * fields * run == 64 and fields == 8 // spec.bits
+    assert bits_equal(got.flatten(3), reference.dequantize_field_major(codes, scales, spec))
+    assert got.isnan().any(), "a poisoned group of the hard values is among them"
+
+
+def test_specs_whose_groups_are_no_byte_runs_of_a_head_keep_its_flat_dimension():
+    for spec in (QuantSpec(bits=4, scheme="channel", group=64), QuantSpec(bits=4, scheme="token", group=64, span_heads=True)):
+        assert cpu_steps._inner_dims(64, spec) == (64,)
+
+
 def test_equal_specs_share_one_compiled_graph(compiled_steps):
     # Equal specs need not be one object (a spec built apart, a copy): the graph guards on values.
     x = torch.randn(2, 3, 1, 64)
