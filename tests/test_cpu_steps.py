@@ -132,8 +132,8 @@ def test_the_attentions_fields_are_the_references_field_major_values_bit_for_bit
 
 
 def test_specs_whose_groups_are_no_byte_runs_of_a_head_keep_its_flat_dimension():
-    for spec in (QuantSpec(bits=4, scheme="channel", group=64), QuantSpec(bits=4, scheme="token", group=64, span_heads=True)):
-        assert cpu_steps._inner_dims(64, spec) == (64,)
+    channels, spanning = QuantSpec(4, "channel", 64), QuantSpec(4, "token", 64, span_heads=True)
+    assert cpu_steps._inner_dims(64, channels) == cpu_steps._inner_dims(64, spanning) == (64,)
 
 
 def test_equal_specs_share_one_compiled_graph(compiled_steps):
