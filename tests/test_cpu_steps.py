@@ -121,12 +121,13 @@ def test_a_decode_steps_quantization_is_the_same_whatever_its_tokens_layout(comp
     ],
     ids=lambda spec: spec.tag,
 )
-def test_the_attentions_fields_are_the_references_field_major_values_bit_for_bit(spec):
-    x = hard_values((1, 3, 9, 64), torch.float32, torch.Generator().manual_seed(spec.bits + spec.group))
+@pytest.mark.parametrize("head_dim", [64, 80, 128])  # 80: groups clipped to 16 channels (QuantSpec.token_group)
+def test_the_attentions_fields_are_the_references_field_major_values_bit_for_bit(spec, head_dim):
+    x = hard_values((1, 3, 9, head_dim), torch.float32, torch.Generator().manual_seed(spec.bits + spec.group))
     codes, scales = reference.quantize(reference.rotate(x) if spec.rotate else x, spec)
     got = cpu_steps._fields(codes, scales, spec)
-    runs, fields, run = cpu_steps._inner_dims(64, spec)
-    assert got.shape == (1, 3, 9, runs, fields, run) and runs * fields * run == 64 and fields == 8 // spec.bits
+    runs, fields, run = cpu_steps._inner_dims(head_dim, spec)
+    assert got.shape == (1, 3, 9, runs, fields, run) and runs * fields * run == head_dim and fields == 8 // spec.bits
     assert bits_equal(got.flatten(3), reference.dequantize_field_major(codes, scales, spec))
     assert got.isnan().any(), "a poisoned group of the hard values is among them"
 
