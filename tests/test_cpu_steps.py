@@ -3,6 +3,7 @@ reference's codes and scales bit for bit, the attention agrees with the referenc
 its other order of sums allows; each is taken only where it composes, and eager again where it cannot
 compile."""
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -231,11 +232,11 @@ def test_disabled_dynamo_runs_eagerly_until_it_is_enabled(compiled_steps, monkey
     monkeypatch.setattr(cpu_steps, "_refusals_warned", set())
     x = torch.randn(1, 2, 1, 64)
     expected = reference.encode_refined(x, DEFAULT.v)
-    with monkeypatch.context() as off, caplog.at_level(logging.WARNING, logger="kvpass"):
+    with contextlib.ExitStack() as off, caplog.at_level(logging.WARNING, logger="kvpass"):
         if disable == "environment":
-            off.setenv("TORCHDYNAMO_DISABLE", "1")
-        else:
-            off.setattr(torch._dynamo.config, "disable", True)
+            off.enter_context(monkeypatch.context()).setenv("TORCHDYNAMO_DISABLE", "1")
+        else:  # Dynamo's config.patch, not monkeypatch.setattr: see tests/test_backend.py
+            off.enter_context(torch._dynamo.config.patch(disable=True))
         held = [cpu_steps.encode_refined(x, DEFAULT.v) for _ in range(3)]
     assert compiled_steps == [] and cpu_steps.enabled
     assert caplog.text.count("compile no new graph on CPU with Dynamo disabled") == 1
