@@ -279,7 +279,7 @@ def _fields(codes: torch.Tensor, scales: torch.Tensor, spec) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(fields, 1)
     q = ((codes.view(B, H, S, runs, 1, run) >> shifts) & ((1 << bits) - 1)).float()
     if spec.symmetric:
-        q = q - (1 << (bits - 1))  # the offset a signed code is stored with (reference.pack_codes)
+        q = q - reference.code_offset(bits, spec.symmetric)
     scale, zero = reference.split_scales(scales, spec)  # [B, H, S, runs]: a scale a run
     q = q * reference.scale_values(scale)[..., None, None]
     return q if zero is None else q + reference.scale_values(zero)[..., None, None]

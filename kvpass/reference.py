@@ -135,7 +135,8 @@ def scale_values(scales: torch.Tensor) -> torch.Tensor:
 # --- packing ---------------------------------------------------------------------------
 
 
-def _code_offset(bits: int, symmetric: bool) -> int:
+def code_offset(bits: int, symmetric: bool) -> int:
+    """What a stored code is offset by: a signed (symmetric) code by ``2**(bits-1)``, an unsigned one by 0."""
     return 1 << (bits - 1) if symmetric else 0
 
 
@@ -153,7 +154,7 @@ def pack_codes(codes: torch.Tensor, bits: int, symmetric: bool = True) -> torch.
     if bits < 8:
         unsigned = unsigned & ((1 << bits) - 1)
     if symmetric:
-        unsigned = unsigned ^ _code_offset(bits, symmetric)
+        unsigned = unsigned ^ code_offset(bits, symmetric)
     fields = unsigned.unflatten(-1, (-1, per_byte))
     packed = fields[..., 0]
     for i in range(1, per_byte):
@@ -184,7 +185,7 @@ def _unpacked_float(packed: torch.Tensor, bits: int, symmetric: bool) -> torch.T
     for i in range(per_byte):
         out[..., i].copy_(_field(packed, bits, i))
     out = out.flatten(-2)
-    return out.sub_(_code_offset(bits, symmetric)) if symmetric else out
+    return out.sub_(code_offset(bits, symmetric)) if symmetric else out
 
 
 # --- scales ----------------------------------------------------------------------------
@@ -544,7 +545,7 @@ def dequantize_field_major(codes: torch.Tensor, scales: torch.Tensor, spec: Quan
     for i in range(per_byte):
         q[..., i, :].copy_(_field(by_run, bits, i))
     if spec.symmetric:
-        q.sub_(_code_offset(bits, spec.symmetric))
+        q.sub_(code_offset(bits, spec.symmetric))
     scale, zero = split_scales(per_head_scales(scales, H), spec)
     q = q.view(B, H, S, runs, D // runs)
     if spec.scheme == "token":

@@ -93,7 +93,7 @@ def test_a_decode_steps_quantization_is_the_same_whatever_its_tokens_layout(comp
     # The rotation's sums round as the matmul's kernel adds them, and matmul runs a layout it cannot
     # view as rows as a bmm: the reference computed on a batch-outermost token (this layout) differed
     # from the graph traced for it, and from itself on the same values laid out as rows, in fp32 codes
-    # and scales for 2 of these 8 offsets.
+    # or scales at the first of these 8 offsets.
     x = _decode_steps(9, 3, 64, torch.float32, seed=5).contiguous()  # [B, H, 1, D]
     laid_out = {
         "contiguous": x,
