@@ -109,6 +109,26 @@ def test_a_left_padded_batch_of_sliding_and_full_layers_generates_as_the_twin_do
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
 
 
+@torch.no_grad()
+def test_a_chunked_prefill_generates_as_the_twin_does():
+    """generate's ``prefill_chunk_size`` feeds the prompt through the cache in chunks (the way to a lower
+    peak, docs/bench-memory.md): chunks of 70 tokens, so K's codes are rounded against each chunk's
+    queries and its prefix statistics come from the first; the last chunk is 10 tokens."""
+    torch._dynamo.reset()
+    model = build("llama")
+    ids = _prompt(1, 150)
+    settings = dict(max_new_tokens=10, do_sample=False, prefill_chunk_size=70, return_dict_in_generate=True,
+                    output_logits=True)  # fmt: skip
+    with observed_queries():
+        expected = model.generate(ids, past_key_values=_simulated(model), **settings)
+    model.compile(backend="kv4")
+    out = model.generate(ids, **settings)
+    keys = out.past_key_values.layers[0].keys
+    assert isinstance(keys, PackedKV) and keys.shape[2] == 159
+    assert torch.equal(out.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+
+
 def test_beam_search_reorders_the_packed_cache():
     torch._dynamo.reset()
     model = build("llama")
