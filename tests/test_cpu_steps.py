@@ -390,7 +390,7 @@ KIVI = (QuantSpec(bits=4, scheme="channel", group=32), QuantSpec(bits=4, scheme=
 ASYM_INT2_INT8 = (QuantSpec(bits=2, scheme="token", group=16, symmetric=False), QuantSpec(bits=8, scheme="token", group=32))
 
 
-def _caches(specs, batch, heads, past, dtype, seed, rep=3):
+def _caches(specs, batch, heads, past, dtype, seed, rep=3, head_dim=64):
     """K and V caches of ``past`` tokens built as a model builds them (a prompt, then decode steps),
     so every extra of their specs is there, and the queries (``rep`` per KV head) that read them."""
     gen = torch.Generator().manual_seed(seed)
@@ -398,30 +398,36 @@ def _caches(specs, batch, heads, past, dtype, seed, rep=3):
     def randn(*shape):
         return torch.randn(shape, generator=gen).to(dtype)
 
-    shared = 4 * randn(batch, heads, 1, 64)  # a direction all keys share, which a centered K takes out
+    shared = 4 * randn(batch, heads, 1, head_dim)  # a direction all keys share, which a centered K takes out
     prompt = past - 3
-    q = randn(batch, rep * heads, prompt, 64)
-    k = PackedKV.from_float(shared + randn(batch, heads, prompt, 64), specs[0], query=q)
-    v = PackedKV.from_float(randn(batch, heads, prompt, 64), specs[1])
+    q = randn(batch, rep * heads, prompt, head_dim)
+    k = PackedKV.from_float(shared + randn(batch, heads, prompt, head_dim), specs[0], query=q)
+    v = PackedKV.from_float(randn(batch, heads, prompt, head_dim), specs[1])
     for _ in range(3):
-        k = k.append(shared + randn(batch, heads, 1, 64), query=randn(batch, rep * heads, 1, 64))
-        v = v.append(randn(batch, heads, 1, 64))
-    return k, v, shared + randn(batch, heads, 1, 64), randn(batch, heads, 1, 64), randn(batch, rep * heads, 1, 64)
+        k = k.append(shared + randn(batch, heads, 1, head_dim), query=randn(batch, rep * heads, 1, head_dim))
+        v = v.append(randn(batch, heads, 1, head_dim))
+    k_new, v_new = shared + randn(batch, heads, 1, head_dim), randn(batch, heads, 1, head_dim)
+    return k, v, k_new, v_new, randn(batch, rep * heads, 1, head_dim)
 
 
 @pytest.mark.parametrize(
-    "specs, dtype, mask, softcap, rep",
+    "specs, dtype, mask, softcap, rep, head_dim",
     [
-        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 3),
-        (KIVI, torch.float16, "bool", 30.0, 3),
-        (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0, 3),
-        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, cpu_steps.ROW_SUMS + 1),  # one sum for every head
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 3, 64),
+        (KIVI, torch.float16, "bool", 30.0, 3, 64),
+        (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0, 3, 64),
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, cpu_steps.ROW_SUMS + 1, 64),  # one sum for every head
+        # Two groups of 64 a head (the bench model's), and groups clipped to 16 channels (QuantSpec.token_group)
+        # in five runs of a head: sums over more than one run, under a block-Hadamard rotation at 80.
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 4, 128),
+        ((DEFAULT.k, DEFAULT.v), torch.bfloat16, "bool", 0.0, 2, 80),
     ],
-    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask", "default-fp32-many-heads"],
-)
+    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask", "default-fp32-many-heads",
+         "default-fp32-head-dim-128", "default-bf16-bool-mask-head-dim-80"],
+)  # fmt: skip
 def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps, monkeypatch, specs, dtype, mask,
-                                                                  softcap, rep):  # fmt: skip
-    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=specs[0].bits, rep=rep)
+                                                                  softcap, rep, head_dim):  # fmt: skip
+    k, v, k_new, v_new, q = _caches(specs, 3, 2, 150, dtype, seed=specs[0].bits, rep=rep, head_dim=head_dim)
     assert k.codes.shape[2] and (mask is not None or (k.head.shape[2] and k.offset.shape[2] and v.fine_codes.shape[2]))
     assert mask is None or specs[0].scheme != "channel" or k.residual.shape[2], "K's waiting tail is read"
     keys = k.shape[2] + 1
