@@ -2,12 +2,13 @@
 
 The test suite checks the fused, Inductor-compiled attention a CPU user's decode steps take op by op
 and on one llama (``tests/test_cpu_steps.py``), and ``kvpass coverage`` checks one decode step with
-the reference attention: neither runs each architecture's decode steps through it. Here each family's
-tiny model, compiled with kv4, greedily generates ``--tokens`` tokens after a 90-token prompt twice:
-as it runs by default, and with :func:`kvpass.cpu_steps.reference_attention`. The quantization is the same bit
-for bit either way, so the two differ only by the attention's order of sums; prints whether the
-tokens agree, the largest logit difference, and how many calls took the fused path (a structure's
-first runs eagerly, the rest its compiled graph; 0: the family's sites never reach it, as MLA's latent).
+the reference attention: neither runs each architecture's decode steps through it. Here each
+family's tiny model, compiled with kv4, greedily generates ``--tokens`` tokens after a 90-token
+prompt twice: as it runs by default, and with :func:`kvpass.cpu_steps.reference_attention`. The
+quantization is the same bit for bit either way, so the two differ only by the attention's order of
+sums; prints whether the tokens agree, the largest logit difference, and how many calls took the
+fused path (a structure's first runs eagerly, the rest its compiled graph; 0: the family's sites
+never reach it, as MLA's latent).
 
     python benchmarks/fused_families.py [FAMILY ...] [--tokens 12]
 """

@@ -113,9 +113,10 @@ def test_a_left_padded_batch_of_sliding_and_full_layers_generates_as_the_twin_do
 def test_a_chunked_prefill_generates_as_the_twin_does():
     """generate's ``prefill_chunk_size`` feeds the prompt through the cache in chunks (the way to a lower
     peak, docs/bench-memory.md): chunks of 70 tokens, so K's codes are rounded against each chunk's
-    queries and its prefix statistics come from the first; the last chunk is 10 tokens."""
+    queries and its sinks, offset and query scales come from the first; the last chunk is 10 tokens.
+    Heads of 64 channels, wide enough for every extra of K's spec."""
     torch._dynamo.reset()
-    model = build("llama")
+    model = kv_heavy_llama(layers=2)
     ids = _prompt(1, 150)
     settings = dict(max_new_tokens=10, do_sample=False, prefill_chunk_size=70, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
@@ -124,7 +125,7 @@ def test_a_chunked_prefill_generates_as_the_twin_does():
     model.compile(backend="kv4")
     out = model.generate(ids, **settings)
     keys = out.past_key_values.layers[0].keys
-    assert isinstance(keys, PackedKV) and keys.shape[2] == 159
+    assert isinstance(keys, PackedKV) and keys.shape[2] == 159 and keys.n_head == 4 and keys.spec.query_rounded
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
 
