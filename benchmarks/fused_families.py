@@ -1,37 +1,61 @@
-"""Every models_zoo family through kv4's fused CPU decode attention, against the reference's.
+"""Every models_zoo family, or every type ``kvpass coverage`` rewrites, through kv4's fused CPU decode
+attention, against the reference's.
 
 The test suite checks the fused, Inductor-compiled attention a CPU user's decode steps take op by op
 and on one llama (``tests/test_cpu_steps.py``), and ``kvpass coverage`` checks one decode step with
-the reference attention: neither runs each architecture's decode steps through it. Here each
-family's tiny model, compiled with kv4, greedily generates ``--tokens`` tokens after a 90-token
-prompt twice: as it runs by default, and with :func:`kvpass.cpu_steps.reference_attention`. The
-quantization is the same bit for bit either way, so the two differ only by the attention's order of
-sums; prints whether the tokens agree, the largest logit difference, and how many calls took the
-fused path (a structure's first runs eagerly, the rest its compiled graph; 0: the family's sites
-never reach it, as MLA's latent).
+the reference attention: neither runs each architecture's decode steps through it. Here each model,
+compiled with kv4, greedily generates ``--tokens`` tokens after a 90-token prompt twice: as it runs
+by default, and with :func:`kvpass.cpu_steps.reference_attention`. The quantization is the same bit
+for bit either way, so the two differ only by the attention's order of sums; prints whether the
+tokens agree, the largest logit difference, and how many calls took the fused path (a structure's
+first runs eagerly, the rest its compiled graph; 0: the model's sites never reach it, as MLA's
+latent).
+
+``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
+those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
+extras), in a subprocess of its own with a timeout.
 
     python benchmarks/fused_families.py [FAMILY ...] [--tokens 12]
+    python benchmarks/fused_families.py --coverage [TYPE ...] [--jobs 2] [--timeout 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import json
+import subprocess
+import sys
 import time
 import unittest.mock
+from pathlib import Path
 
 import torch
 
-from kvpass import cpu_steps
+from kvpass import coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
+
+PROMPT_TOKENS = 90
+COLUMNS = f"{'model':<24} {'same tokens':<12} {'max logit diff':<15} {'fused-path calls':<17} seconds"
+
+
+def _model(name: str, from_coverage: bool):
+    if not from_coverage:
+        return build(name)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # as kvpass coverage builds it
+    return AutoModelForCausalLM.from_config(coverage.tiny_config(name)).eval()
 
 
 @torch.no_grad()
-def generate(name: str, tokens: int, fused: bool):
+def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
     """``(output, calls on the fused path)`` of a kv4-compiled ``name`` generating ``tokens`` greedy tokens."""
     torch._dynamo.reset()
-    model = build(name)
+    model = _model(name, from_coverage)
     model.compile(backend="kv4")
-    ids = torch.randint(3, model.config.vocab_size, (1, 90), generator=torch.Generator().manual_seed(0))
+    vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
+    ids = torch.randint(3, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     calls, run = [0], cpu_steps._run
 
     def counted_run(fn, *rest):
@@ -46,19 +70,51 @@ def generate(name: str, tokens: int, fused: bool):
             return model.generate(ids, **settings), calls[0]
 
 
+def compare(name: str, tokens: int, from_coverage: bool) -> str:
+    """The table row of one model."""
+    start = time.perf_counter()
+    (fused, calls), (reference, _) = (generate(name, tokens, fused, from_coverage) for fused in (True, False))
+    same = torch.equal(fused.sequences, reference.sequences)
+    diff = max((a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits))
+    return f"{name:<24} {str(same):<12} {diff:<15.2e} {calls:<17} {time.perf_counter() - start:.0f}"
+
+
+def compare_isolated(name: str, tokens: int, timeout: float) -> str:
+    """:func:`compare` of a coverage type in a subprocess: a type that crashes or hangs says so in its row."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--one", name, "--tokens", str(tokens)],
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"{name:<24} timed out after {timeout:.0f} s"
+    rows = [line for line in done.stdout.splitlines() if line.startswith(name)]
+    if done.returncode or not rows:
+        return f"{name:<24} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1][:160]}"
+    return rows[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("families", nargs="*", default=list(ZOO), help=f"models_zoo names (default: all {len(ZOO)})")
+    parser.add_argument("names", nargs="*", help="models_zoo names, or with --coverage model types (default: all)")
+    parser.add_argument("--coverage", action="store_true", help="model types as kvpass coverage shrinks them")
     parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--jobs", type=int, default=2, help="--coverage: subprocesses at once")
+    parser.add_argument("--timeout", type=float, default=300, help="--coverage: seconds a type")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a --coverage subprocess's type
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'family':<14} {'same tokens':<12} {'max logit diff':<15} {'fused-path calls':<17} seconds")
-    for name in args.families:
-        start = time.perf_counter()
-        (fused, calls), (reference, _) = generate(name, args.tokens, True), generate(name, args.tokens, False)
-        same = torch.equal(fused.sequences, reference.sequences)
-        diff = max((a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits))
-        print(f"{name:<14} {str(same):<12} {diff:<15.2e} {calls:<17} {time.perf_counter() - start:.0f}")
+    if args.one:
+        print(compare(args.one, args.tokens, from_coverage=True))
+        return
+    print(COLUMNS, flush=True)
+    if not args.coverage:
+        for name in args.names or ZOO:
+            print(compare(name, args.tokens, from_coverage=False), flush=True)
+        return
+    matrix = json.loads((Path(__file__).parents[1] / "docs" / "coverage.json").read_text())
+    names = args.names or [row["model_type"] for row in matrix["rows"] if row["status"] == "rewritten"]
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for row in pool.map(lambda name: compare_isolated(name, args.tokens, args.timeout), names):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":
