@@ -6,10 +6,12 @@ and on one llama (``tests/test_cpu_steps.py``), and ``kvpass coverage`` checks o
 the reference attention: neither runs each architecture's decode steps through it. Here each model,
 compiled with kv4, greedily generates ``--tokens`` tokens after a 90-token prompt twice: as it runs
 by default, and with :func:`kvpass.cpu_steps.reference_attention`. The quantization is the same bit
-for bit either way, so the two differ only by the attention's order of sums; prints whether the
-tokens agree, the largest logit difference, and how many calls took the fused path (a structure's
-first runs eagerly, the rest its compiled graph; 0: the model's sites never reach it, as MLA's
-latent).
+for bit given the same inputs, so the two differ by the attention's order of sums, and a step's
+difference moves later tokens' inputs too, which can flip one of their codes (a 4-bit cache is
+discontinuous; the logits then differ by a quantization step's effect). Prints whether the tokens
+agree, the largest logit difference of the first decode step (the attention's alone) and of all, and
+how many calls took the fused path (a structure's first runs eagerly, the rest its compiled graph;
+0: the model's sites never reach it, as MLA's latent).
 
 ``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
 those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
@@ -36,7 +38,7 @@ from kvpass import coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
 
 PROMPT_TOKENS = 90
-COLUMNS = f"{'model':<24} {'same tokens':<12} {'max logit diff':<15} {'fused-path calls':<17} seconds"
+COLUMNS = f"{'model':<24} {'same tokens':<12} {'first step diff':<16} {'max diff':<9} {'fused-path calls':<17} seconds"
 
 
 def _model(name: str, from_coverage: bool):
@@ -75,8 +77,10 @@ def compare(name: str, tokens: int, from_coverage: bool) -> str:
     start = time.perf_counter()
     (fused, calls), (reference, _) = (generate(name, tokens, fused, from_coverage) for fused in (True, False))
     same = torch.equal(fused.sequences, reference.sequences)
-    diff = max((a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits))
-    return f"{name:<24} {str(same):<12} {diff:<15.2e} {calls:<17} {time.perf_counter() - start:.0f}"
+    diffs = [(a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits)]
+    seconds = time.perf_counter() - start
+    # logits[0] is the prompt's, which neither path's decode attention computes.
+    return f"{name:<24} {str(same):<12} {diffs[1]:<16.1e} {max(diffs):<9.1e} {calls:<17} {seconds:.0f}"
 
 
 def compare_isolated(name: str, tokens: int, timeout: float) -> str:
