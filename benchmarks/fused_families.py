@@ -9,9 +9,11 @@ by default, and with :func:`kvpass.cpu_steps.reference_attention`. The quantizat
 for bit given the same inputs, so the two differ by the attention's order of sums, and a step's
 difference moves later tokens' inputs too, which can flip one of their codes (a 4-bit cache is
 discontinuous; the logits then differ by a quantization step's effect). Prints whether the tokens
-agree, the largest logit difference of the first decode step (the attention's alone) and of all, and
-how many calls took the fused path (a structure's first runs eagerly, the rest its compiled graph;
-0: the model's sites never reach it, as MLA's latent).
+agree, the largest logit difference of the first decode step (where only that step's order of sums
+has moved anything; 0 where each layer's call is its structure's first, which runs eagerly) and of
+all, and how many calls took the fused path (a structure's first runs eagerly, the rest its compiled
+graph; 0: no decode attention of the model takes it: an MLA latent's, or one with more than one new
+token a step, as attention sinks make it).
 
 ``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
 those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
@@ -38,7 +40,7 @@ from kvpass import coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
 
 PROMPT_TOKENS = 90
-COLUMNS = f"{'model':<24} {'same tokens':<12} {'first step diff':<16} {'max diff':<9} {'fused-path calls':<17} seconds"
+COLUMNS = f"{'model':<24} {'same tokens':<12} {'step 1 diff':<12} {'max diff':<9} {'fused-path calls':<17} seconds"
 
 
 def _model(name: str, from_coverage: bool):
@@ -64,7 +66,9 @@ def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
         calls[0] += fn in (cpu_steps._decode_step, cpu_steps._decode_attention)
         return run(fn, *rest)
 
-    settings = dict(max_new_tokens=tokens, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    # use_cache: some configs turn the cache off (MPT's), and without one kv4 has nothing to do
+    settings = dict(max_new_tokens=tokens, do_sample=False, use_cache=True, return_dict_in_generate=True,
+                    output_logits=True)  # fmt: skip
     with unittest.mock.patch.object(cpu_steps, "_run", counted_run):
         if fused:
             return model.generate(ids, **settings), calls[0]
@@ -80,7 +84,7 @@ def compare(name: str, tokens: int, from_coverage: bool) -> str:
     diffs = [(a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits)]
     seconds = time.perf_counter() - start
     # logits[0] is the prompt's, which neither path's decode attention computes.
-    return f"{name:<24} {str(same):<12} {diffs[1]:<16.1e} {max(diffs):<9.1e} {calls:<17} {seconds:.0f}"
+    return f"{name:<24} {str(same):<12} {diffs[1]:<12.1e} {max(diffs):<9.1e} {calls:<17} {seconds:.0f}"
 
 
 def compare_isolated(name: str, tokens: int, timeout: float) -> str:
