@@ -452,28 +452,6 @@ def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps
         assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps, monkeypatch, dtype):
-    """GPT-OSS's attention sinks reach kv4 as one more new token, key and value zero, whose mask column
-    is the sink's logit (passes.py): a decode step's attention over two new tokens, fused like one."""
-    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 2, 2, 150, dtype, seed=11, rep=2)
-    k_new, v_new = (torch.cat([t, torch.zeros_like(t)], 2) for t in (k_new, v_new))
-    sink_logits = torch.randn(1, 4, 1, 1, generator=torch.Generator().manual_seed(12)).to(dtype)
-    attn_mask = torch.cat([torch.zeros(1, 4, 1, k.shape[2] + 1, dtype=dtype), sink_logits], -1)
-
-    def attend():
-        return packed.attention(q, k, v, k_new, v_new, attn_mask, None, False)
-
-    got = _second(attend)
-    assert compiled_steps.count(cpu_steps._decode_attention) == 1
-    monkeypatch.setattr(cpu_steps, "enabled", False)
-    expected = attend()
-    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-    # The sink takes its share of every row: without its column the output is another.
-    assert not torch.allclose(got, packed.attention(q, k, v, k_new[:, :, :1], v_new[:, :, :1], None, None, False),
-                              **TOLERANCE[dtype])  # fmt: skip
-
-
 def test_a_cache_read_as_both_k_and_v_takes_the_fused_attention(compiled_steps, monkeypatch):
     """DeepSeek-V4 attends over one cache as keys and as values: the same tensors in K's places and V's.
     A graph traced with distinct aliases rejected them (Dynamo guards that an input passed twice is), and
