@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import subprocess
 import sys
@@ -69,11 +70,9 @@ def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
     # use_cache: some configs turn the cache off (MPT's), and without one kv4 has nothing to do
     settings = dict(max_new_tokens=tokens, do_sample=False, use_cache=True, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
-    with unittest.mock.patch.object(cpu_steps, "_run", counted_run):
-        if fused:
-            return model.generate(ids, **settings), calls[0]
-        with cpu_steps.reference_attention():
-            return model.generate(ids, **settings), calls[0]
+    attention = contextlib.nullcontext() if fused else cpu_steps.reference_attention()
+    with unittest.mock.patch.object(cpu_steps, "_run", counted_run), attention:
+        return model.generate(ids, **settings), calls[0]
 
 
 def compare(name: str, tokens: int, from_coverage: bool) -> str:

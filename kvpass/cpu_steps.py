@@ -477,8 +477,9 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
     fine = map(_rows_outermost, fine)  # planes grow from 0 rows in a short prompt's decode
     k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales = fine
     if v_codes is k_codes:
-        # A cache read as both K and V (DeepSeek-V4's): its graph is traced with an alias in each place,
-        # and Dynamo guards that a tensor passed twice is passed twice; aliases in V's keep them apart.
+        # A cache read as both K and V (as DeepSeek-V4 reads its): its graph is traced with an alias in
+        # each place, and Dynamo guards that a tensor passed twice is passed twice; aliases in V's places
+        # keep the call's apart too.
         v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales = map(
             _alias, (v_codes, v_scales, v_residual, v_fine_codes, v_fine_scales))  # fmt: skip
     stored = (k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_fine_codes, k_fine_scales, v_fine_codes,
