@@ -24,9 +24,10 @@ Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step ha
 but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
 so each structure (spec, shape, which optional parts are present) compiles once for every length
 (kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
-are large already, so they stay eager. Where Inductor cannot compile (no C++ compiler), the failure
-is logged once and the reference runs eagerly from then on; an input the reference itself rejects
-raises its error and leaves the compiled path on. With Dynamo disabled, or under a
+are large already, so they stay eager. Where Inductor cannot build C++ (no working compiler), the
+failure is logged once and the reference runs eagerly from then on; where it fails on one structure's
+graph, that structure's calls run eagerly (logged once each) and every other structure's stay compiled;
+an input the reference itself rejects raises its error and leaves the compiled path on. With Dynamo disabled, or under a
 ``torch.compiler.set_stance`` other than the default, nothing new compiles: graphs already compiled
 still run, other calls run eagerly (logged once), and compiling resumes when that is lifted.
 """
@@ -41,6 +42,7 @@ import types
 import warnings
 
 import torch
+import torch._inductor.exc
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from kvpass import reference
@@ -91,6 +93,8 @@ _compiled = {}
 GRAPHS_PER_KEY = 4
 # Keys that compiled GRAPHS_PER_KEY graphs and met inputs none of them takes (warned once each).
 _overflowing = set()
+# Keys whose graph Inductor failed to compile (_contain): their calls run eagerly.
+_refused = set()
 # function -> the graphs that took its latest calls, latest first (RECENT_GRAPHS at most). A model's
 # layers make calls of one or two structures step after step: a call one of these graphs' guards
 # take runs it without working out its key (each input's layout, two specs hashed: ~30 us of a warm
@@ -118,16 +122,46 @@ def _run(fn, args, key, eager, traced=None):
     """``fn(*args)`` compiled, or ``eager()`` where Inductor fails or a key has compiled ``GRAPHS_PER_KEY``
     graphs. A recent graph that takes ``args`` runs first; else the graphs kept under ``key()``, or
     one compiled for it (traced with ``traced()`` where given, else ``args``)."""
-    global enabled
     try:
         result = _compiled_result(fn, args, key, traced)
     except Exception as err:  # noqa: BLE001 - any compile failure leaves the eager reference
         # A bad input raises here again, as it would without compiling, and leaves the path on.
         result = eager()
-        enabled = False
-        log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(err).__name__, err)
+        _contain(err)
         return result
     return eager() if result is None else result
+
+
+class _KeyFailed(Exception):
+    """Compiling ``fn``'s graph for ``key`` raised the exception this one is raised from."""
+
+    def __init__(self, fn, key):
+        super().__init__(fn.__name__)
+        self.fn, self.key = fn, key
+
+
+# Inductor's errors that no graph escapes: its C++ toolchain does not work here.
+_TOOLCHAIN_ERRORS = (torch._inductor.exc.InvalidCxxCompiler, torch._inductor.exc.CppCompileError)
+
+
+def _contain(err: Exception) -> None:
+    """Keeps a failed compile to what it says: a toolchain that cannot build turns the compiled path off;
+    a graph Inductor cannot compile (a guard on a data-dependent length, an op it cannot lower) sends
+    only its key's calls to the eager reference. One such structure had turned a whole model's compiled
+    decode steps off (docs/bench-decode.md, "Attention sinks")."""
+    global enabled
+    causes = [err.__cause__ if isinstance(err, _KeyFailed) else err]
+    while len(causes) < 8 and (inner := causes[-1].__cause__ or getattr(causes[-1], "inner_exception", None)):
+        causes.append(inner)  # Dynamo wraps the backend's error (BackendCompilerFailed.inner_exception)
+    root = causes[-1]
+    if isinstance(err, _KeyFailed) and not any(isinstance(c, _TOOLCHAIN_ERRORS) for c in causes):
+        _refused.add((err.fn, err.key))
+        log.warning("kvpass: %s runs eagerly on CPU for one structure of its inputs: Inductor failed on its graph "
+                    "(%s: %s)", err.fn.__name__, type(root).__name__, root)  # fmt: skip
+        log.debug("kvpass: the structure %s refused: %r", err.fn.__name__, err.key)
+        return
+    enabled = False
+    log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(root).__name__, root)
 
 
 def _compiled_result(fn, args, key, traced):
@@ -140,6 +174,8 @@ def _compiled_result(fn, args, key, traced):
                 recent.insert(0, recent.pop(i))
             return result
     key = key()
+    if (fn, key) in _refused:
+        return None
     graphs = _compiled.get((fn, key))
     if graphs is None:
         # The first call of a key runs eagerly: it makes the reference's cached tensors (Hadamard
@@ -164,7 +200,10 @@ def _compiled_result(fn, args, key, traced):
             # A note about compiling, not about the numbers: Inductor's C++ code for a bf16 model's
             # append converts to fp16 scales in one loop.
             warnings.filterwarnings("ignore", message=r"bf16 and fp16 are mixed in the scheduler node")
-            graph = _compile(fn, args if traced is None else traced())
+            try:
+                graph = _compile(fn, args if traced is None else traced())
+            except Exception as err:
+                raise _KeyFailed(fn, key) from err
         graphs.append(graph)
         result = graph(*args)
         if result is None:

@@ -28,6 +28,7 @@ def compiled_steps(monkeypatch):
     monkeypatch.setattr(cpu_steps, "enabled", True)
     monkeypatch.setattr(cpu_steps, "_compiled", {})
     monkeypatch.setattr(cpu_steps, "_recent", {})
+    monkeypatch.setattr(cpu_steps, "_refused", set())
     ran = []
     compile_ = cpu_steps._compile
 
@@ -185,20 +186,38 @@ def test_only_plain_cpu_decode_steps_take_the_compiled_path(compiled_steps, monk
     assert not cpu_steps._takes(step)
 
 
-def test_a_failed_compile_leaves_the_eager_reference_and_says_so(compiled_steps, monkeypatch, caplog):
-    def no_compiler(fn, args):
-        def fails(*args):
-            raise RuntimeError("no C++ compiler")
-
-        return fails
-
-    monkeypatch.setattr(cpu_steps, "_compile", no_compiler)
+def test_a_toolchain_that_cannot_build_turns_the_compiled_path_off_and_says_so(compiled_steps, caplog):
+    # Inductor's own failure, not a stand-in: no compiler it can run. Every graph would fail alike.
     x = torch.randn(1, 2, 1, 64)
-    with caplog.at_level(logging.WARNING, logger="kvpass"):
+    with caplog.at_level(logging.WARNING, logger="kvpass"), torch._inductor.config.patch({"cpp.cxx": ("no-such-cxx",)}):
         got = _second(lambda: cpu_steps.encode_refined(x, DEFAULT.v))
     assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(x, DEFAULT.v)))
-    assert not cpu_steps.enabled
-    assert "Inductor failed (RuntimeError: no C++ compiler)" in caplog.text
+    assert not cpu_steps.enabled and compiled_steps == []
+    assert "decode steps stay eager on CPU: Inductor failed (InvalidCxxCompiler: No working C++ compiler" in caplog.text
+
+
+def test_a_structure_inductor_fails_on_runs_eagerly_and_the_others_stay_compiled(compiled_steps, monkeypatch, caplog):
+    # As a sink layer's guard on a data-dependent length failed one structure's compile: that had
+    # turned every other structure's compiled calls off with it.
+    compile_, tried = cpu_steps._compile, []
+
+    def fails_on_two_heads(fn, args):
+        tried.append(args[0].shape[1])
+        if args[0].shape[1] == 2:
+            raise RuntimeError("Inductor cannot lower this graph")
+        return compile_(fn, args)
+
+    monkeypatch.setattr(cpu_steps, "_compile", fails_on_two_heads)
+    steps = [torch.randn(1, heads, 1, 64) for heads in (2, 3)]
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        got = [cpu_steps.encode_refined(x, DEFAULT.v) for _ in range(4) for x in steps]
+    assert cpu_steps.enabled and tried == [2, 3]  # each key compiled once, the failed one never again
+    assert compiled_steps == [reference.encode_refined] * 3  # the 3-head calls after their first
+    assert caplog.text.count("encode_refined runs eagerly on CPU for one structure of its inputs: Inductor failed "
+                             "on its graph (RuntimeError: Inductor cannot lower this graph)") == 1  # fmt: skip
+    assert "decode steps stay eager" not in caplog.text
+    for i, out in enumerate(got):
+        assert all(torch.equal(a, b) for a, b in zip(out, reference.encode_refined(steps[i % 2], DEFAULT.v)))
 
 
 @pytest.mark.parametrize(
