@@ -11,9 +11,10 @@ difference moves later tokens' inputs too, which can flip one of their codes (a 
 discontinuous; the logits then differ by a quantization step's effect). Prints whether the tokens
 agree, the largest logit difference of the first decode step (where only that step's order of sums
 has moved anything; 0 where each layer's call is its structure's first, which runs eagerly) and of
-all, and how many calls took the fused path (a structure's first runs eagerly, the rest its compiled
-graph; 0: no decode attention of the model takes it: an MLA latent's, or one with more than one new
-token a step, as attention sinks make it).
+all, how many calls ran the fused path's compiled graph (a structure's first call runs eagerly; 0: no
+decode attention of the model takes it, as an MLA latent's), and how many structures Inductor failed
+to compile, whose calls ran the reference eagerly (``cpu_steps._contain``). Each run starts with no
+compiled graphs kept.
 
 ``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
 those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
@@ -41,7 +42,9 @@ from kvpass import coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
 
 PROMPT_TOKENS = 90
-COLUMNS = f"{'model':<24} {'same tokens':<12} {'step 1 diff':<12} {'max diff':<9} {'fused-path calls':<17} seconds"
+COLUMNS = (f"{'model':<24} {'same tokens':<12} {'step 1 diff':<12} {'max diff':<9} {'fused-path calls':<17} "
+           f"{'failed compiles':<16} seconds")
+FUSED = (cpu_steps._decode_step, cpu_steps._decode_attention)
 
 
 def _model(name: str, from_coverage: bool):
@@ -55,35 +58,44 @@ def _model(name: str, from_coverage: bool):
 
 @torch.no_grad()
 def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
-    """``(output, calls on the fused path)`` of a kv4-compiled ``name`` generating ``tokens`` greedy tokens."""
+    """``(output, calls that ran a fused graph, structures whose compile failed)`` of a kv4-compiled ``name``
+    generating ``tokens`` greedy tokens."""
     torch._dynamo.reset()
     model = _model(name, from_coverage)
     model.compile(backend="kv4")
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
     ids = torch.randint(3, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
-    calls, run = [0], cpu_steps._run
+    calls, compile_ = [0], cpu_steps._compile
 
-    def counted_run(fn, *rest):
-        calls[0] += fn in (cpu_steps._decode_step, cpu_steps._decode_attention)
-        return run(fn, *rest)
+    def counted_compile(fn, args):
+        graph = compile_(fn, args)
+
+        def call(*args):
+            out = graph(*args)
+            calls[0] += fn in FUSED and out is not None  # None: its guards rejected args
+            return out
+
+        return call
 
     # use_cache: some configs turn the cache off (MPT's), and without one kv4 has nothing to do
     settings = dict(max_new_tokens=tokens, do_sample=False, use_cache=True, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
     attention = contextlib.nullcontext() if fused else cpu_steps.reference_attention()
-    with unittest.mock.patch.object(cpu_steps, "_run", counted_run), attention:
-        return model.generate(ids, **settings), calls[0]
+    fresh = dict(_compiled={}, _recent={}, _refused=set(), _compile=counted_compile)
+    with unittest.mock.patch.multiple(cpu_steps, **fresh), attention:
+        output = model.generate(ids, **settings)
+        return output, calls[0], sum(fn in FUSED for fn, _ in cpu_steps._refused)
 
 
 def compare(name: str, tokens: int, from_coverage: bool) -> str:
     """The table row of one model."""
     start = time.perf_counter()
-    (fused, calls), (reference, _) = (generate(name, tokens, fused, from_coverage) for fused in (True, False))
+    (fused, calls, failed), (reference, *_) = (generate(name, tokens, fused, from_coverage) for fused in (True, False))
     same = torch.equal(fused.sequences, reference.sequences)
     diffs = [(a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits)]
     seconds = time.perf_counter() - start
     # logits[0] is the prompt's, which neither path's decode attention computes.
-    return f"{name:<24} {str(same):<12} {diffs[1]:<12.1e} {max(diffs):<9.1e} {calls:<17} {seconds:.0f}"
+    return f"{name:<24} {str(same):<12} {diffs[1]:<12.1e} {max(diffs):<9.1e} {calls:<17} {failed:<16} {seconds:.0f}"
 
 
 def compare_isolated(name: str, tokens: int, timeout: float) -> str:

@@ -20,8 +20,8 @@ step (SmolLM2: 60 appends and 30 attentions a step, 30 calls in all since a laye
   graph, where the model's graph calls them together (``kv4::decode_step``): a compiled call's
   wrappers cost more than one token's work, so one call a layer, not three.
 
-Only decode steps take this path (``STEP_TOKENS`` new tokens): a model's step has the same shapes
-but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
+Only decode steps take this path (``STEP_TOKENS`` new tokens; their attention also an attention sink's
+zero token after it, ``ATTENDED_NEW_TOKENS``): a model's step has the same shapes but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
 so each structure (spec, shape, which optional parts are present) compiles once for every length
 (kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
 are large already, so they stay eager. Where Inductor cannot build C++ (no working compiler), the
@@ -50,6 +50,9 @@ from kvpass import reference
 log = logging.getLogger("kvpass")
 
 STEP_TOKENS = 1
+# New tokens a decode step's attention takes fused: the step's own, and after it the zero token that
+# stands for an attention sink's logit (GPT-OSS's, passes.py), whose column the mask holds.
+ATTENDED_NEW_TOKENS = (STEP_TOKENS, STEP_TOKENS + 1)
 
 # Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
 # tests of this module turn it on and compare with the eager reference. Off before torch 2.13:
@@ -239,9 +242,10 @@ def _may_compile() -> bool:
 
 
 def _step(x: torch.Tensor) -> torch.Tensor:
-    # One token: its dimension's stride is arbitrary (V's new token arrives with another than K's),
-    # and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride.
-    return x.squeeze(2).unsqueeze(2)
+    # New tokens: a size-1 dimension's stride is arbitrary (V's new token arrives with another than
+    # K's), and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride, and a copy
+    # of a few tokens gives them all.
+    return x.squeeze(2).unsqueeze(2) if x.shape[2] == 1 else x.new_empty(x.shape).copy_(x)
 
 
 def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):
@@ -412,7 +416,7 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
     denom = p.sum(-1, keepdim=True)
     v_offset = reference.fixed_or_none(v_offset)
     v_parts = _stored_parts(v_codes, v_scales, v_residual, v_spec, v_fine_codes, v_fine_scales, v_head)
-    lengths = [v.shape[2] for v, _ in v_parts] + [1]
+    lengths = [v.shape[2] for v, _ in v_parts] + [v_new.shape[2]]
     torch._check(sum(lengths) == p.shape[-1])  # K's parts and V's cover the same tokens
     *p_parts, p_new = torch.split(p, lengths, -1)
     out = 0
@@ -420,7 +424,9 @@ def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_res
         out = out + _weighted(p_part, v)
         if quantized and v_offset is not None:
             out = out + p_part.sum(-1, keepdim=True) * v_offset.float()[..., v_order]
-    out = out @ v_reading.T + _weighted(p_new, v_new.float())
+    # Each new token weighted by a slice of p: _weighted's view of p's rows over two new tokens (a sink's
+    # zero token) had Inductor guard on the stored lengths, and MiMo-V2-Flash's sink layer failed to compile.
+    out = out @ v_reading.T + sum(p_new[..., j : j + 1] * v_new[:, :, None, j].float() for j in range(v_new.shape[2]))
     # A row with every key masked gives zeros, as torch's SDPA does; NaN (a poisoned group) propagates.
     out = (out / denom).masked_fill(denom == 0, 0.0)
     return out.reshape(B, Hq, 1, Dv).to(q.dtype)
@@ -509,7 +515,7 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
     rest = (k_head, k_offset, v_head, v_offset)
     # A static cache (no new tokens) holds unwritten rows the reference skips by block; is_causal with
     # one query attends only the first key: both stay with the reference.
-    if not (fused_attention and q.shape[2] == STEP_TOKENS and k_new.shape[2] == STEP_TOKENS and not is_causal
+    if not (fused_attention and q.shape[2] == STEP_TOKENS and k_new.shape[2] in ATTENDED_NEW_TOKENS and not is_causal
             and _takes(q, *stored, k_new, v_new, attn_mask, *rest)):  # fmt: skip
         return None
     k_residual, v_residual, *fine = map(_at_offset_zero, (k_residual, v_residual, *stored[6:]))
@@ -528,8 +534,8 @@ def _fused_args(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
     v_reading = _reading(v_new.shape[-1], v_spec, q.device)
 
     def key():
-        # Sinks and offset hold a fixed count of rows, which the graph takes as a constant.
-        fixed_rows = [None if t is None else t.shape[2] for t in rest]
+        # Sinks, offset and the new tokens hold a fixed count of rows, which the graph takes as a constant.
+        fixed_rows = [None if t is None else t.shape[2] for t in (*rest, k_new)]
         return (k_spec, v_spec, scale, softcap, *map(_structure, (q, *stored, k_new, v_new, *rest)), *fixed_rows,
                 None if attn_mask is None else (attn_mask.dtype, attn_mask.shape[:-1]))  # fmt: skip
 
@@ -597,7 +603,8 @@ def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
                 *encode_refined(k_read.to(k_residual.dtype), k_spec, k_offset),
                 *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
 
-    fused = _takes(k_query_scales) and _fused_args(
+    # One new token: the step quantizes what it appends, and an attention sink's zero token is no such.
+    fused = _takes(k_query_scales) and k_new.shape[2] == STEP_TOKENS and _fused_args(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False, k_spec,
         v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
     )  # fmt: skip

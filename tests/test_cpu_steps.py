@@ -471,6 +471,39 @@ def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps
         assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
 
 
+# One query head a KV head over a rotated cache and no extras: MiMo-V2-Flash's sink layers, whose compile
+# had failed (Inductor guarded on the stored lengths where the new tokens' probabilities were read).
+ROTATED = QuantSpec(4, "token", 64, rotate=True)
+
+
+@pytest.mark.parametrize(
+    "specs, dtype, rep, head_dim",
+    [((DEFAULT.k, DEFAULT.v), torch.float32, 2, 64), ((DEFAULT.k, DEFAULT.v), torch.bfloat16, 2, 64),
+     ((ROTATED, ROTATED), torch.float32, 1, 32)],
+    ids=["default-fp32", "default-bf16", "rotated-one-query-head"],
+)  # fmt: skip
+def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps, monkeypatch, specs, dtype, rep,
+                                                                 head_dim):  # fmt: skip
+    """GPT-OSS's attention sinks reach kv4 as one more new token, key and value zero, whose mask column
+    is the sink's logit (passes.py): a decode step's attention over two new tokens, fused like one."""
+    k, v, k_new, v_new, q = _caches(specs, 1, 2, 150, dtype, seed=11, rep=rep, head_dim=head_dim)
+    k_new, v_new = (torch.cat([t, torch.zeros_like(t)], 2) for t in (k_new, v_new))
+    sink_logits = torch.randn(1, 2 * rep, 1, 1, generator=torch.Generator().manual_seed(12)).to(dtype)
+    attn_mask = torch.cat([torch.zeros(1, 2 * rep, 1, k.shape[2] + 1, dtype=dtype), sink_logits], -1)
+
+    def attend():
+        return packed.attention(q, k, v, k_new, v_new, attn_mask, None, False)
+
+    got = _second(attend)
+    assert compiled_steps.count(cpu_steps._decode_attention) == 1 and not cpu_steps._refused
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    expected = attend()
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    # The sink takes its share of every row: without its column the output is another.
+    assert not torch.allclose(got, packed.attention(q, k, v, k_new[:, :, :1], v_new[:, :, :1], None, None, False),
+                              **TOLERANCE[dtype])  # fmt: skip
+
+
 def test_a_cache_read_as_both_k_and_v_takes_the_fused_attention(compiled_steps, monkeypatch):
     """DeepSeek-V4 attends over one cache as keys and as values: the same tensors in K's places and V's.
     A graph traced with distinct aliases rejected them (Dynamo guards that an input passed twice is), and
