@@ -507,7 +507,7 @@ def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps,
 def test_a_cache_read_as_both_k_and_v_takes_the_fused_attention(compiled_steps, monkeypatch):
     """DeepSeek-V4 attends over one cache as keys and as values: the same tensors in K's places and V's.
     A graph traced with distinct aliases rejected them (Dynamo guards that an input passed twice is), and
-    the failed compile would turn the compiled path off for the process (``cpu_steps.enabled``)."""
+    the key's calls ran eagerly (until the fifty-first run the failure turned the compiled path off)."""
     gen = torch.Generator().manual_seed(13)
     kv = PackedKV.from_float(torch.randn(1, 2, 120, 64, generator=gen), DEFAULT.v)
     q, new = torch.randn(1, 4, 1, 64, generator=gen), torch.randn(1, 2, 1, 64, generator=gen)
