@@ -350,6 +350,37 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_an_attention_sink_model_decodes_through_the_fused_attention(compiled_steps):
+    """GPT-OSS's sinks reach kv4's attention as a second new token (passes.py), which the fused attention
+    takes: a model-level check that the rewritten graph still hands it that form."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpass.coverage import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_oss")).eval()
+    # Past K's 64-token prefix, so that the attention reads int4 codes, not only the fp tail.
+    ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for fused in (True, False):
+        torch._dynamo.reset()
+        step, cache, token, logits[fused] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
+        with contextlib.nullcontext() if fused else cpu_steps.reference_attention():
+            for _ in range(4):
+                out = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+                logits[fused].append(out)
+                token = out.argmax(-1, keepdim=True)
+    # 3 decode steps of 2 layers (a sliding one and a full one, whose caches and masks are alike in all
+    # the graph keys on: one structure, whose first call ran eagerly). With two new tokens the step's
+    # appends are graphs of their own (decode_step takes one), which the reference run reuses.
+    attentions = [key for fn, key in cpu_steps._compiled if fn is cpu_steps._decode_attention]
+    assert len(attentions) == 1 and not cpu_steps._refused
+    assert compiled_steps.count(cpu_steps._decode_attention) == 2 * 3 - 1
+    for a, b in zip(logits[True], logits[False]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_the_attentions_marks_stay_off_the_models_graphs(monkeypatch):
     # The fused attention marks its lengths unbacked on aliases: on the cache's own tensors the marks
     # reached the model's next graph (a 10-token prompt's compiles again when V's plane reaches 2 rows),
