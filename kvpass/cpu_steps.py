@@ -143,21 +143,28 @@ class _KeyFailed(Exception):
         self.fn, self.key = fn, key
 
 
-# Inductor's errors that no graph escapes: its C++ toolchain does not work here.
-_TOOLCHAIN_ERRORS = (torch._inductor.exc.InvalidCxxCompiler, torch._inductor.exc.CppCompileError)
+# Whether a graph has compiled in this process: once one has, the C++ toolchain works, and a C++ error
+# (CppCompileError) is that graph's code; before, it is read as the toolchain's, as a missing compiler is.
+_built_one = False
+
+
+def _toolchain_failed(err: BaseException) -> bool:
+    if isinstance(err, torch._inductor.exc.InvalidCxxCompiler):
+        return True
+    return isinstance(err, torch._inductor.exc.CppCompileError) and not _built_one
 
 
 def _contain(err: Exception) -> None:
-    """Keeps a failed compile to what it says: a toolchain that cannot build turns the compiled path off;
-    a graph Inductor cannot compile (a guard on a data-dependent length, an op it cannot lower) sends
-    only its key's calls to the eager reference. One such structure had turned a whole model's compiled
+    """Keeps a failed compile to what it says: a toolchain that cannot build (:func:`_toolchain_failed`)
+    turns the compiled path off; a graph Inductor cannot compile (a guard on a data-dependent length,
+    an op it cannot lower, C++ it cannot build) sends only its key's calls to the eager reference. One such structure had turned a whole model's compiled
     decode steps off (docs/bench-decode.md, "Attention sinks")."""
     global enabled
     causes = [err.__cause__ if isinstance(err, _KeyFailed) else err]
     while len(causes) < 8 and (inner := causes[-1].__cause__ or getattr(causes[-1], "inner_exception", None)):
         causes.append(inner)  # Dynamo wraps the backend's error (BackendCompilerFailed.inner_exception)
     root = causes[-1]
-    if isinstance(err, _KeyFailed) and not any(isinstance(c, _TOOLCHAIN_ERRORS) for c in causes):
+    if isinstance(err, _KeyFailed) and not any(map(_toolchain_failed, causes)):
         _refused.add((err.fn, err.key))
         log.warning("kvpass: %s runs eagerly on CPU for one structure of its inputs: Inductor failed on its graph "
                     "(%s: %s)", err.fn.__name__, type(root).__name__, root)  # fmt: skip
@@ -169,6 +176,7 @@ def _contain(err: Exception) -> None:
 
 def _compiled_result(fn, args, key, traced):
     """:func:`_run`'s compiled result, or None where the call runs eagerly."""
+    global _built_one
     recent = _recent.setdefault(fn, [])
     for i, graph in enumerate(recent):
         result = graph(*args)
@@ -207,6 +215,7 @@ def _compiled_result(fn, args, key, traced):
                 graph = _compile(fn, args if traced is None else traced())
             except Exception as err:
                 raise _KeyFailed(fn, key) from err
+        _built_one = True
         graphs.append(graph)
         result = graph(*args)
         if result is None:

@@ -29,6 +29,7 @@ def compiled_steps(monkeypatch):
     monkeypatch.setattr(cpu_steps, "_compiled", {})
     monkeypatch.setattr(cpu_steps, "_recent", {})
     monkeypatch.setattr(cpu_steps, "_refused", set())
+    monkeypatch.setattr(cpu_steps, "_built_one", False)
     ran = []
     compile_ = cpu_steps._compile
 
@@ -218,6 +219,33 @@ def test_a_structure_inductor_fails_on_runs_eagerly_and_the_others_stay_compiled
     assert "decode steps stay eager" not in caplog.text
     for i, out in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(out, reference.encode_refined(steps[i % 2], DEFAULT.v)))
+
+
+def test_a_cpp_error_is_the_toolchains_until_a_graph_has_built(compiled_steps, monkeypatch, caplog):
+    # Before any graph has built, a C++ compile error may be a toolchain every graph would fail on (no
+    # headers, a broken compiler); after one has, it is the failing graph's code.
+    compile_ = cpu_steps._compile
+
+    def cpp_error_on_two_heads(fn, args):
+        if args[0].shape[1] == 2:
+            raise torch._inductor.exc.CppCompileError(["c++", "graph.cpp"], "graph.cpp: error: invalid code")
+        return compile_(fn, args)
+
+    monkeypatch.setattr(cpu_steps, "_compile", cpp_error_on_two_heads)
+    two, three = torch.randn(1, 2, 1, 64), torch.randn(1, 3, 1, 64)
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        _second(lambda: cpu_steps.encode_refined(three, DEFAULT.v))
+        got = _second(lambda: cpu_steps.encode_refined(two, DEFAULT.v))
+    assert cpu_steps.enabled and compiled_steps == [reference.encode_refined]
+    assert "encode_refined runs eagerly on CPU for one structure of its inputs: Inductor failed on its graph " \
+           "(CppCompileError: C++ compile error" in caplog.text  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.encode_refined(two, DEFAULT.v)))
+    for name, fresh in (("_built_one", False), ("_compiled", {}), ("_recent", {}), ("_refused", set())):
+        monkeypatch.setattr(cpu_steps, name, fresh)  # as in a process where nothing has built yet
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        _second(lambda: cpu_steps.encode_refined(two, DEFAULT.v))
+    assert not cpu_steps.enabled
+    assert "decode steps stay eager on CPU: Inductor failed (CppCompileError: C++ compile error" in caplog.text
 
 
 @pytest.mark.parametrize(
