@@ -164,14 +164,17 @@ def _contain(err: Exception) -> None:
     while len(causes) < 8 and (inner := causes[-1].__cause__ or getattr(causes[-1], "inner_exception", None)):
         causes.append(inner)  # Dynamo wraps the backend's error (BackendCompilerFailed.inner_exception)
     root = causes[-1]
+    # The error's first line: Inductor's go on with the graph's IR, dozens of lines, logged at DEBUG.
+    why = f"{type(root).__name__}: {(str(root).splitlines() or [''])[0]}"
     if isinstance(err, _KeyFailed) and not any(map(_toolchain_failed, causes)):
         _refused.add((err.fn, err.key))
         log.warning("kvpass: %s runs eagerly on CPU for one structure of its inputs: Inductor failed on its graph "
-                    "(%s: %s)", err.fn.__name__, type(root).__name__, root)  # fmt: skip
-        log.debug("kvpass: the structure %s refused: %r", err.fn.__name__, err.key)
+                    "(%s)", err.fn.__name__, why)  # fmt: skip
+        log.debug("kvpass: the structure of %s refused: %r", err.fn.__name__, err.key, exc_info=root)
         return
     enabled = False
-    log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s: %s)", type(root).__name__, root)
+    log.warning("kvpass: decode steps stay eager on CPU: Inductor failed (%s)", why)
+    log.debug("kvpass: Inductor's failure", exc_info=root)
 
 
 def _compiled_result(fn, args, key, traced):
