@@ -20,16 +20,18 @@ step (SmolLM2: 60 appends and 30 attentions a step, 30 calls in all since a laye
   graph, where the model's graph calls them together (``kv4::decode_step``): a compiled call's
   wrappers cost more than one token's work, so one call a layer, not three.
 
-Only decode steps take this path (``STEP_TOKENS`` new tokens; their attention also an attention sink's
-zero token after it, ``ATTENDED_NEW_TOKENS``): a model's step has the same shapes but for the cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`),
-so each structure (spec, shape, which optional parts are present) compiles once for every length
-(kvpass calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops
-are large already, so they stay eager. Where Inductor cannot build C++ (no working compiler), the
-failure is logged once and the reference runs eagerly from then on; where it fails on one structure's
-graph, that structure's calls run eagerly (logged once each) and every other structure's stay compiled;
-an input the reference itself rejects raises its error and leaves the compiled path on. With Dynamo disabled, or under a
-``torch.compiler.set_stance`` other than the default, nothing new compiles: graphs already compiled
-still run, other calls run eagerly (logged once), and compiling resumes when that is lifted.
+Only decode steps take this path (``STEP_TOKENS`` new tokens; their attention also an attention
+sink's zero token after it, ``ATTENDED_NEW_TOKENS``): a model's step has the same shapes but for the
+cache's lengths, which the attention graph takes as unbacked symbols (:func:`_unbacked`), so each
+structure (spec, shape, which optional parts are present) compiles once for every length (kvpass
+calls the graphs itself, :func:`_compile`); prompts and chunks vary in length and their ops are
+large already, so they stay eager. Where Inductor cannot build C++ (no working compiler), the
+failure is logged once and the reference runs eagerly from then on; where it fails on one
+structure's graph, that structure's calls run eagerly (logged once each) and every other structure's
+stay compiled; an input the reference itself rejects raises its error and leaves the compiled path
+on. With Dynamo disabled, or under a ``torch.compiler.set_stance`` other than the default, nothing
+new compiles: graphs already compiled still run, other calls run eagerly (logged once), and
+compiling resumes when that is lifted.
 """
 
 from __future__ import annotations
@@ -156,9 +158,10 @@ def _toolchain_failed(err: BaseException) -> bool:
 
 def _contain(err: Exception) -> None:
     """Keeps a failed compile to what it says: a toolchain that cannot build (:func:`_toolchain_failed`)
-    turns the compiled path off; a graph Inductor cannot compile (a guard on a data-dependent length,
-    an op it cannot lower, C++ it cannot build) sends only its key's calls to the eager reference. One such structure had turned a whole model's compiled
-    decode steps off (docs/bench-decode.md, "Attention sinks")."""
+    turns the compiled path off; a graph Inductor cannot compile (a guard on a data-dependent length, an
+    op it cannot lower, C++ it cannot build) sends only its key's calls to the eager reference. One such
+    structure had turned a whole model's compiled decode steps off (docs/bench-decode.md, "Attention
+    sinks")."""
     global enabled
     causes = [err.__cause__ if isinstance(err, _KeyFailed) else err]
     while len(causes) < 8 and (inner := causes[-1].__cause__ or getattr(causes[-1], "inner_exception", None)):
