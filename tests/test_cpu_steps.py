@@ -538,19 +538,22 @@ ROTATED = QuantSpec(4, "token", 64, rotate=True)
 
 
 @pytest.mark.parametrize(
-    "specs, dtype, rep, head_dim",
-    [((DEFAULT.k, DEFAULT.v), torch.float32, 2, 64), ((DEFAULT.k, DEFAULT.v), torch.bfloat16, 2, 64),
-     ((ROTATED, ROTATED), torch.float32, 1, 32)],
-    ids=["default-fp32", "default-bf16", "rotated-one-query-head"],
+    "specs, dtype, batch, rep, head_dim",
+    [((DEFAULT.k, DEFAULT.v), torch.float32, 1, 2, 64), ((DEFAULT.k, DEFAULT.v), torch.bfloat16, 1, 2, 64),
+     ((ROTATED, ROTATED), torch.float32, 1, 1, 32), ((DEFAULT.k, DEFAULT.v), torch.float32, 3, 2, 64)],
+    ids=["default-fp32", "default-bf16", "rotated-one-query-head", "default-fp32-batch-3-left-padded"],
 )  # fmt: skip
-def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps, monkeypatch, specs, dtype, rep,
-                                                                 head_dim):  # fmt: skip
+def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps, monkeypatch, specs, dtype, batch,
+                                                                 rep, head_dim):  # fmt: skip
     """GPT-OSS's attention sinks reach kv4 as one more new token, key and value zero, whose mask column
     is the sink's logit (passes.py): a decode step's attention over two new tokens, fused like one."""
-    k, v, k_new, v_new, q = _caches(specs, 1, 2, 150, dtype, seed=11, rep=rep, head_dim=head_dim)
+    k, v, k_new, v_new, q = _caches(specs, batch, 2, 150, dtype, seed=11, rep=rep, head_dim=head_dim)
     k_new, v_new = (torch.cat([t, torch.zeros_like(t)], 2) for t in (k_new, v_new))
-    sink_logits = torch.randn(1, 2 * rep, 1, 1, generator=torch.Generator().manual_seed(12)).to(dtype)
-    attn_mask = torch.cat([torch.zeros(1, 2 * rep, 1, k.shape[2] + 1, dtype=dtype), sink_logits], -1)
+    sink_logits = torch.randn(batch, 2 * rep, 1, 1, generator=torch.Generator().manual_seed(12)).to(dtype)
+    rows = torch.zeros(batch, 2 * rep, 1, k.shape[2] + 1, dtype=dtype)
+    for row in range(1, batch):  # later rows left-padded, as generate pads a batch
+        rows[row, :, :, : 7 * row] = float("-inf")
+    attn_mask = torch.cat([rows, sink_logits], -1)
 
     def attend():
         return packed.attention(q, k, v, k_new, v_new, attn_mask, None, False)
@@ -561,7 +564,7 @@ def test_an_attention_sinks_zero_token_takes_the_fused_attention(compiled_steps,
     expected = attend()
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     # The sink takes its share of every row: without its column the output is another.
-    assert not torch.allclose(got, packed.attention(q, k, v, k_new[:, :, :1], v_new[:, :, :1], None, None, False),
+    assert not torch.allclose(got, packed.attention(q, k, v, k_new[:, :, :1], v_new[:, :, :1], rows, None, False),
                               **TOLERANCE[dtype])  # fmt: skip
 
 
