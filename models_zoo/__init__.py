@@ -213,6 +213,17 @@ def lfm2() -> PretrainedConfig:
     )
 
 
+def gpt_oss() -> PretrainedConfig:
+    # gpt-oss-20b: 24 layers, hidden 2880, 64 heads, 8 KV heads, head_dim 64, sliding window 128 on
+    # every other layer, a learned attention-sink logit per head (eager attention only), 32 experts
+    # (4 per token). The default positions (131072, YaRN from 4096) keep its rope config consistent.
+    return _cfg(
+        "gpt_oss", hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+    )
+
+
 ZOO: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": llama,
     "llama_hd128": llama_hd128,
@@ -232,6 +243,7 @@ ZOO: dict[str, Callable[[], PretrainedConfig]] = {
     "starcoder2": starcoder2,
     "deepseek_v3": deepseek_v3,
     "lfm2": lfm2,
+    "gpt_oss": gpt_oss,
 }
 
 

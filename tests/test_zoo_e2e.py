@@ -14,7 +14,7 @@ from kvpass.simulate import SimulatedKVCache, observed_queries
 # read, so the latent is stored int4 and read dequantized ("latent" sites).
 LATENT = {"deepseek_v3"}
 # Families that need eager attention (no SDPA path in transformers).
-EAGER_ONLY = {"gemma2", "gpt_neo"}
+EAGER_ONLY = {"gemma2", "gpt_neo", "gpt_oss"}
 
 
 def _attention_layers(cache):
