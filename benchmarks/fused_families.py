@@ -13,8 +13,8 @@ agree, the largest logit difference of the first decode step (where only that st
 has moved anything; 0 where each layer's call is its structure's first, which runs eagerly) and of
 all, how many calls ran the fused path's compiled graph (a structure's first call runs eagerly; 0: no
 decode attention of the model takes it, as an MLA latent's), and how many of the fused attention's
-structures Inductor failed to compile, whose calls ran the reference eagerly (``cpu_steps._contain``). Each run starts with no
-compiled graphs kept.
+structures Inductor failed to compile, whose calls ran the reference eagerly (``cpu_steps._contain``).
+Each run starts with no compiled graphs kept.
 
 ``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
 those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
