@@ -621,6 +621,36 @@ def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_refere
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
 
 
+def test_a_decode_step_inductor_fails_on_runs_its_three_parts_compiled(compiled_steps, monkeypatch, caplog):
+    # A refused key's calls run its eager form, which for a decode step is the attention and the two
+    # appends apart: each compiled on its own, the same bits stored.
+    compile_ = cpu_steps._compile
+
+    def fails_on_the_step(fn, args):
+        if fn is cpu_steps._decode_step:
+            raise RuntimeError("Inductor cannot lower this graph")
+        return compile_(fn, args)
+
+    monkeypatch.setattr(cpu_steps, "_compile", fails_on_the_step)
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 2, 2, 150, torch.float32, seed=5)
+    before = len(compiled_steps)  # the caches' own appends ran compiled too
+
+    def step():
+        return packed.attend_and_append(q, k, v, k_new, v_new, None, None, False, 0.0, query=q)
+
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        for _ in range(3):  # eagerly, the step's failed compile with its parts' first calls, then compiled
+            out, k_grown, v_grown = step()
+    assert cpu_steps.enabled and [fn for fn, _ in cpu_steps._refused] == [cpu_steps._decode_step]
+    ran = compiled_steps[before:]
+    assert cpu_steps._decode_step not in ran and ran.count(cpu_steps._decode_attention) == 2
+    assert ran[-3:] == [cpu_steps._decode_attention, reference.encode_refined, reference.encode_refined]
+    assert caplog.text.count("_decode_step runs eagerly on CPU for one structure") == 1
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    torch.testing.assert_close(out, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+    assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
+
+
 def test_the_fused_attention_takes_the_cache_length_as_a_symbol(compiled_steps):
     k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 1, 2, 100, torch.float32, seed=3)
     _second(lambda: packed.attention(q, k, v, k_new, v_new))
