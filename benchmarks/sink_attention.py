@@ -13,22 +13,12 @@ turns ``--rounds`` times so that drift on a shared machine lands on each alike.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from decode_breakdown import alone_ms  # benchmarks/, beside this script
 
 from kvpass import arguments, cpu_steps, packed
 from kvpass.bench.attention import case_inputs
-
-
-def _median_ms(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _calls(context: int, args) -> dict:
@@ -47,7 +37,7 @@ def _calls(context: int, args) -> dict:
             return with_sink()
 
     fused, reference = with_sink(), reference_with_sink()
-    torch.testing.assert_close(fused, reference, atol=2e-3, rtol=2e-3)  # fp16 output, as test_cpu_steps allows
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=2**-10)  # fp16: test_cpu_steps.TOLERANCE
     return {"fused, sink": with_sink, "reference, sink": reference_with_sink,
             "fused, no sink": lambda: packed.attention(q, keys, values, k_new, v_new, None, scale)}  # fmt: skip
 
@@ -70,7 +60,7 @@ def main() -> None:
         times = {method: [] for method in calls}
         for _ in range(args.rounds):
             for method, call in calls.items():
-                times[method].append(_median_ms(call, args.iters))
+                times[method].append(alone_ms(call, repeats=args.iters))
         for method, ms in times.items():
             print(f"| {context} | {method} | {' / '.join(f'{t:.2f}' for t in ms)} |", flush=True)
 

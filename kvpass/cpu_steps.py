@@ -260,7 +260,7 @@ def _step(x: torch.Tensor) -> torch.Tensor:
     # New tokens: a size-1 dimension's stride is arbitrary (V's new token arrives with another than
     # K's), and Dynamo would compile a graph for each; a fresh unsqueeze gives one stride, and a copy
     # of a few tokens gives them all.
-    return x.squeeze(2).unsqueeze(2) if x.shape[2] == 1 else x.new_empty(x.shape).copy_(x)
+    return x.squeeze(2).unsqueeze(2) if x.shape[2] == 1 else x.clone(memory_format=torch.contiguous_format)
 
 
 def encode(x: torch.Tensor, spec, offset: torch.Tensor | None = None, rounding: torch.Tensor | None = None):
@@ -618,7 +618,8 @@ def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
                 *encode_refined(k_read.to(k_residual.dtype), k_spec, k_offset),
                 *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
 
-    # One new token: the step quantizes what it appends, and an attention sink's zero token is no such.
+    # One new token, as before the fused attention took two: the compiled quantization is checked bit for
+    # bit on single tokens (encode_refined compiles no other), and kvpass calls this op with one only.
     fused = _takes(k_query_scales) and k_new.shape[2] == STEP_TOKENS and _fused_args(
         q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False, k_spec,
         v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
