@@ -56,6 +56,30 @@ def positive_int_list(text: str) -> list[int]:
     return _listed(text, positive_int, "positive integers such as 1,4")
 
 
+def comma_list(parse, what: str):
+    """An argparse type for comma-separated items, each read by ``parse``, whose ValueError becomes
+    argparse's message (``--methods fp,kv5``: "argument --methods: unknown method 'kv5' ...")."""
+
+    def item(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:  # named, so one bad item of several is found
+            raise argparse.ArgumentTypeError(str(err) if text in str(err) else f"{text!r}: {err}") from None
+
+    return lambda text: _listed(text, item, what)
+
+
+def one_of(known, what: str):
+    """A ``parse`` for :func:`comma_list` that takes only the names in ``known``."""
+
+    def name(text: str) -> str:
+        if text not in known:
+            raise ValueError(f"unknown {what} {text!r}; use some of {list(known)}")
+        return text
+
+    return name
+
+
 def _int_at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)

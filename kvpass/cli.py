@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -123,8 +124,9 @@ def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> tuple[argparse.Namespace, Callable, argparse.ArgumentParser]:
+    """``argv``'s arguments, its subcommand's ``run`` and that subcommand's parser (for its errors);
+    bad arguments exit as argparse does, naming them."""
     parser = build_parser()
     # Two passes: the first finds the subcommand, whose module then defines its own options;
     # importing every subcommand's module up front would make `kvpass demo` pay for all.
@@ -138,7 +140,11 @@ def main(argv=None) -> int:
     add_arguments, run = _load(known._module, command)
     sub_parser = _subparser(parser, known)
     add_arguments(sub_parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv), run, sub_parser
+
+
+def main(argv=None) -> int:
+    args, run, sub_parser = parse(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         result = run(args)

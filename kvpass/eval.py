@@ -641,7 +641,7 @@ def _change(delta: float | None, se: float | None) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default=DEFAULT_METHODS,
+    parser.add_argument("--methods", type=arguments.comma_list(parse_method, "methods"), default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, fp16, bf16, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
                              "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries][-kB@L.L K bits B in layers L, not sim-], "
@@ -695,7 +695,7 @@ def run(args) -> int:
     # (a 64-token forward: 2.0 s -> 0.2 s on the eval machine). Flushing them to zero changes
     # no reported digit and applies to every method alike.
     torch.set_flush_denormal(not args.keep_denormals)
-    methods = [parse_method(m) for m in args.methods.split(",") if m.strip()]
+    methods = args.methods
     settings = Settings(
         contexts=tuple(args.contexts), chunk=args.chunk, prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy, windows=args.windows,

@@ -173,16 +173,6 @@ def test_cli_arguments_parse():
         assert parser.parse_args([]).contexts == [1024, 4096]  # argparse parses a string default too
 
 
-def test_memory_checks_every_cache_name_before_running_any(monkeypatch):
-    ran = []
-    monkeypatch.setattr(memory, "measure_in_subprocess", lambda *args, **kwargs: ran.append(args))
-    parser = argparse.ArgumentParser()
-    memory.add_arguments(parser)
-    with pytest.raises(ValueError, match="unknown cache 'fp8'"):
-        memory.run(parser.parse_args(["--caches", "fp16,fp8", "--no-progress"]))
-    assert ran == []
-
-
 def test_memory_rows_name_their_allocator_and_its_settings(monkeypatch):
     # glibc's MALLOC_MMAP_THRESHOLD_ changes the peak (docs/bench-memory.md): a row without it would
     # not say what it measured.

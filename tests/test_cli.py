@@ -1,14 +1,17 @@
 """The command line as a user types it."""
 
 import argparse
+import itertools
 import os
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvpass import arguments
-from kvpass.cli import main
+from kvpass.cli import main, parse
 
 
 def test_explain_prints_site_tables_and_diffs(capsys):
@@ -96,6 +99,52 @@ def test_help_lists_the_subcommands_own_options(command, capsys):
     assert "--" in capsys.readouterr().out.split("options:")[-1]
 
 
+def shell_commands(line: str) -> list[list[str]]:
+    """The words of each command in a shell line, split at ``&&``, ``|`` and ``;`` written apart (as the
+    docs write them), each up to a redirection."""
+    commands = [[]]
+    for word in shlex.split(line, comments=True):
+        if word in ("&&", "||", "|", ";"):
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [list(itertools.takewhile(lambda word: not re.fullmatch(r"\d*>.*", word), words)) for words in commands]
+
+
+def documented_commands():
+    """``(file:line, argv)`` of each kvpass command in the README's and docs/' shell blocks (fenced
+    with no language or bash; output is fenced as text)."""
+    root = Path(__file__).parents[1]
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        language = None  # outside a fenced block
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                language = line[3:].strip() if language is None else None
+            elif language in ("", "bash") and "kvpass" in line:
+                for words in shell_commands(line):
+                    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # OMP_NUM_THREADS=1 kvpass ...
+                        words.pop(0)
+                    if words[:3] == ["python", "-m", "kvpass.cli"]:
+                        words[:3] = ["kvpass"]
+                    if words[:1] == ["kvpass"]:
+                        yield f"{path.name}:{number}", words[1:]
+
+
+def test_every_command_in_the_readme_and_docs_parses(capsys):
+    # The docs' commands are how their numbers are rerun; an option or a method renamed since
+    # would fail only then. Parsing checks every name too: methods and caches are argparse types.
+    commands = list(documented_commands())
+    assert len(commands) > 100, "the scan found too few commands"  # 277 when this test was written
+    failures = []
+    for where, argv in commands:
+        try:
+            parse(argv)
+        except SystemExit as exit_info:
+            if exit_info.code != 0 or "--help" not in argv:
+                failures.append(f"{where}: kvpass {shlex.join(argv)}\n  {capsys.readouterr().err.splitlines()[-1]}")
+    assert not failures, "\n".join(failures)
+
+
 def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
     for argv, message in [
         (["explain", "llama9"], r"kvpass explain: error: unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"),
@@ -106,9 +155,12 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["eval", "--contexts", "512,2K", "--chunk", "512"], r"error: --chunk must be under the shortest context 512, got 512"),
         (["eval", "--contexts", "512,x"], r"error: argument --contexts: expected a token count like 4096 or 128K, got 'x'"),
         (["bench", "decode", "--contexts", "-5"], r"kvpass bench decode: error: argument --contexts: .*got '-5'"),
-        (["bench", "decode", "--methods", "fp,kv5"], r"kvpass bench decode: error: unknown method 'kv5'; use some of \['fp'"),
+        (["bench", "decode", "--methods", "fp,kv5"],
+         r"kvpass bench decode: error: argument --methods: unknown method 'kv5'; use some of \['fp'"),
         (["bench", "memory", "--batches", "1,0"], r"error: argument --batches: expected a positive integer, got '0'"),
-        (["bench", "memory", "--caches", "fp8"], r"error: unknown cache 'fp8'; use one of \['bf16'"),
+        (["bench", "memory", "--caches", "fp16,fp8"], r"error: argument --caches: unknown cache 'fp8'; use some of \['fp16'"),
+        (["bench", "append", "--methods", "kv4,kv2"], r"error: argument --methods: unknown method 'kv2'; use some of \['fp16 cat'"),
+        (["eval", "--methods", "fp,kv4-rot-g48"], r"kvpass eval: error: argument --methods: 'kv4-rot-g48': group must be a power of two >= 2, got 48"),
         (["bench", "append", "--contexts", ","], r"error: argument --contexts: expected comma-separated token counts"),
         (["bench", "attention", "--warmup", "-1"], r"error: argument --warmup: expected an integer >= 0, got '-1'"),
         (["coverage", "--timeout", "nan"], r"kvpass coverage: error: argument --timeout: expected a positive number, got 'nan'"),
@@ -152,10 +204,12 @@ def test_counts_take_the_forms_a_user_types():
     assert arguments.tokens("128K") == 131072 and arguments.tokens("1m") == 2**20
     assert arguments.token_list(" 512, 2K,") == [512, 2048]
     assert arguments.positive_int_list("1,4") == [1, 4] and arguments.nonnegative_int("0") == 0
-    for parse, text in [(arguments.tokens, "0"), (arguments.tokens, "2.5K"), (arguments.positive_int, "-3"),
-                        (arguments.positive_float, "-inf"), (arguments.token_list, "")]:  # fmt: skip
+    letters = arguments.comma_list(arguments.one_of("ab", "letter"), "letters")
+    assert letters(" a, b,") == ["a", "b"]
+    for read, text in [(arguments.tokens, "0"), (arguments.tokens, "2.5K"), (arguments.positive_int, "-3"),
+                       (arguments.positive_float, "-inf"), (arguments.token_list, ""), (letters, "c")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
-            parse(text)
+            read(text)
 
 
 @pytest.mark.parametrize("command", [[], ["bench"]])

@@ -114,7 +114,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--methods", type=arguments.comma_list(arguments.one_of(METHODS, "method"), "methods"),
+                        default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096,16384,65536", help="comma-separated context lengths")
     parser.add_argument("--steps", type=arguments.positive_int, help=f"appends timed per point (default: {COPYING_STEPS}; "
                         "kv4: enough to cross a regrowth)")  # fmt: skip
@@ -128,11 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from kvpass import bench
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"unknown method {m!r}; use one of {', '.join(METHODS)}")
-    rows = run_grid(methods, args.contexts, args.steps,
+    rows = run_grid(args.methods, args.contexts, args.steps,
                     batch=args.batch, heads=args.heads, head_dim=args.head_dim)  # fmt: skip
     print(format_table(rows))
     info = dict(command=bench.command_line("append"), torch=torch.__version__, rows=rows)

@@ -208,7 +208,8 @@ def format_table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated (default {DEFAULT_METHODS})")
+    parser.add_argument("--methods", type=arguments.comma_list(arguments.one_of(_HOW, "method"), "methods"),
+                        default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(_HOW)} (default {DEFAULT_METHODS})")
     parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
     parser.add_argument("--batch", type=arguments.positive_int, default=1)
@@ -238,10 +239,6 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in _HOW:
-            raise ValueError(f"unknown method {m!r}; use some of {list(_HOW)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     contexts = args.contexts + ([16384] if args.long else [])
@@ -252,7 +249,7 @@ def run(args) -> int:
 
         model = load_model(args.model, dtype)[0]
     t0 = time.perf_counter()
-    rows = run_grid(methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
+    rows = run_grid(args.methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
                     dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model,
                     device=args.device, rounds=args.rounds)  # fmt: skip
     elapsed = time.perf_counter() - t0

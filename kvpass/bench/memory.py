@@ -263,7 +263,10 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--caches", default=DEFAULT_CACHES, help=f"comma-separated (default {DEFAULT_CACHES}); "
+    from kvpass import bench
+
+    parser.add_argument("--caches", type=arguments.comma_list(arguments.one_of(bench.CACHES, "cache"), "caches"),
+                        default=DEFAULT_CACHES, help=f"comma-separated (default {DEFAULT_CACHES}); "
                         "also fp32, kv4-bf16, kv4-fp32, quanto-fp32")  # fmt: skip
     parser.add_argument("--contexts", type=arguments.token_list, default="1024,4096", help="comma-separated context lengths (default 1024,4096)")
     parser.add_argument("--long", action="store_true", help="add 16384 to the contexts")
@@ -290,15 +293,11 @@ def run(args) -> int:
 
     contexts = args.contexts + ([16384] if args.long else [])
     sizes = dict(hidden=args.hidden, layers=args.layers)
-    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
-    for cache in caches:  # before the first configuration: a 16K run takes minutes
-        if cache not in bench.CACHES:
-            raise ValueError(f"unknown cache {cache!r}; use one of {sorted(bench.CACHES)}")
     if args.allocator is not None:
         preload(args.allocator)  # here too: a missing library fails before the first configuration
     rows = []
     t0 = time.perf_counter()
-    jobs = [(cache, batch, ctx) for cache in caches for batch in args.batches for ctx in contexts]
+    jobs = [(cache, batch, ctx) for cache in args.caches for batch in args.batches for ctx in contexts]
     for cache, batch, ctx in (bar := tqdm(jobs, disable=args.no_progress, file=sys.stderr, desc="memory")):
         row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout, args.allocator)
         rows.append(row)
