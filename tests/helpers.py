@@ -1,10 +1,21 @@
 """Shared pieces of the end-to-end tests."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from kvpass import ops
 from kvpass.packed import PackedKV
+
+
+def benchmark_script(name: str):
+    """A script of ``benchmarks/`` (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0, kv_heads=2):

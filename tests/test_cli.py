@@ -1,10 +1,12 @@
 """The command line as a user types it."""
 
 import argparse
+import inspect
 import itertools
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from kvpass import arguments
 from kvpass.cli import main, parse
+from tests.helpers import benchmark_script
 
 
 def test_explain_prints_site_tables_and_diffs(capsys):
@@ -112,28 +115,29 @@ def shell_commands(line: str) -> list[list[str]]:
 
 
 def documented_commands():
-    """``(file:line, argv)`` of each kvpass command in the README's and docs/' shell blocks (fenced
-    with no language or bash; output is fenced as text)."""
+    """``(file:line, words)`` of each kvpass command (``python -m kvpass.cli`` as ``kvpass``) and benchmark
+    script (``python benchmarks/NAME.py``) in the README's and docs/' shell blocks (fenced with no language
+    or bash; output is fenced as text)."""
     root = Path(__file__).parents[1]
     for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         language = None  # outside a fenced block
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if line.startswith("```"):
                 language = line[3:].strip() if language is None else None
-            elif language in ("", "bash") and "kvpass" in line:
+            elif language in ("", "bash") and ("kvpass" in line or "benchmarks/" in line):
                 for words in shell_commands(line):
                     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # OMP_NUM_THREADS=1 kvpass ...
                         words.pop(0)
                     if words[:3] == ["python", "-m", "kvpass.cli"]:
                         words[:3] = ["kvpass"]
-                    if words[:1] == ["kvpass"]:
-                        yield f"{path.name}:{number}", words[1:]
+                    if words[:1] == ["kvpass"] or re.fullmatch(r"python benchmarks/\w+\.py", " ".join(words[:2])):
+                        yield f"{path.name}:{number}", words
 
 
 def test_every_command_in_the_readme_and_docs_parses(capsys):
     # The docs' commands are how their numbers are rerun; an option or a method renamed since
     # would fail only then. Parsing checks every name too: methods and caches are argparse types.
-    commands = list(documented_commands())
+    commands = [(where, words[1:]) for where, words in documented_commands() if words[0] == "kvpass"]
     assert len(commands) > 100, "the scan found too few commands"  # 277 when this test was written
     failures = []
     for where, argv in commands:
@@ -142,6 +146,39 @@ def test_every_command_in_the_readme_and_docs_parses(capsys):
         except SystemExit as exit_info:
             if exit_info.code != 0 or "--help" not in argv:
                 failures.append(f"{where}: kvpass {shlex.join(argv)}\n  {capsys.readouterr().err.splitlines()[-1]}")
+    assert not failures, "\n".join(failures)
+
+
+class _Parsed(Exception):
+    """Raised once a benchmark script has parsed its arguments, so that it stops there."""
+
+
+def test_every_benchmark_script_in_the_docs_takes_its_documented_arguments(monkeypatch, capsys):
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        parse_args(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.syspath_prepend(Path(__file__).parents[1] / "benchmarks")  # scripts import each other, run from there
+    commands = [(where, words[1:]) for where, words in documented_commands() if words[0] == "python"]
+    assert len(commands) > 20, "the scan found too few commands"  # 46 when this test was written
+    failures, scripts = [], {}
+    for where, (path, *argv) in commands:
+        name = Path(path).stem
+        script = scripts[name] if name in scripts else scripts.setdefault(name, benchmark_script(name))
+        if "ArgumentParser" not in inspect.getsource(script):  # its main() would run the benchmark
+            if argv:
+                failures.append(f"{where}: {path} takes no arguments, given {shlex.join(argv)}")
+            continue
+        monkeypatch.setattr(sys, "argv", [path, *argv])
+        try:
+            script.main()
+        except _Parsed:
+            pass
+        except SystemExit:
+            failures.append(f"{where}: python {path} {shlex.join(argv)}\n  {capsys.readouterr().err.splitlines()[-1]}")
     assert not failures, "\n".join(failures)
 
 

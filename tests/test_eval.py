@@ -15,7 +15,7 @@ from kvpass import text_data
 from kvpass.config import KVConfig
 from kvpass.coverage import TWIN_TOLERANCE
 from kvpass.models_zoo import build
-from tests.helpers import kv_heavy_llama, sliding_mistral
+from tests.helpers import benchmark_script, kv_heavy_llama, sliding_mistral
 
 warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
@@ -586,19 +586,8 @@ def test_fp_token_method_names_and_bytes():
     assert real.fp16_ratio(4096, 3, 64) < plain
 
 
-def _benchmark(name: str):
-    """A script of ``benchmarks/`` (not a package) as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_padded_rows_scores_a_padded_row_as_the_sequence_alone_when_nothing_is_quantized():
-    padded_rows = _benchmark("padded_rows")
+    padded_rows = benchmark_script("padded_rows")
     model, ids = kv_heavy_llama(layers=1), _tokens(2400, seed=6)
     settings = dict(prefix=torch.tensor([1]), prompt=100, continuation=64, chunk=16, windows=1)  # a BOS, as Gemma's
     alone, padded = (padded_rows.continuation_nll_blocks(model, None, ids, padded=p, **settings) for p in (False, True))
@@ -610,7 +599,7 @@ def test_padded_rows_scores_a_padded_row_as_the_sequence_alone_when_nothing_is_q
 def test_padded_twin_reads_a_padded_batch_as_the_twin_does():
     """The script's check on one type: the padded row fills its pads in both layers, and the decode step
     is the twin's; a sliding-window type's copies leave with its window (Mistral's, under the prompt)."""
-    padded_twin = _benchmark("padded_twin")
+    padded_twin = benchmark_script("padded_twin")
     error, filled = padded_twin.padded_step_error("llama")
     assert error <= TWIN_TOLERANCE and filled == [[[0, 4], [padded_twin.PADS, 4]]] * 2
     error, filled = padded_twin.padded_step_error("mistral")
@@ -618,7 +607,7 @@ def test_padded_twin_reads_a_padded_batch_as_the_twin_does():
 
 
 def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
-    eval_regions = _benchmark("eval_regions")
+    eval_regions = benchmark_script("eval_regions")
     # Two windows of 320 tokens after a 64-token first step: 4 blocks each, blocks 0-1 before token 192.
     base = [10.0, 10.0, 10.0, 10.0] * 2
     mine = [11.0, 11.5, 10.0, 10.2, 11.0, 10.5, 10.0, 9.8]
@@ -632,7 +621,7 @@ def test_eval_regions_splits_each_windows_blocks_at_a_token_position():
 
 
 def test_compare_eval_says_which_documented_rows_a_rerun_reproduced(tmp_path, capsys):
-    compare_eval = _benchmark("compare_eval")
+    compare_eval = benchmark_script("compare_eval")
     row = dict(method="kv4", text="kjv", ctx=512, chunk=64, prefill=64, ppl=5.0, nll_blocks=[1.0, 2.0], top1_match=0.9,
                delta_pct=0.3, delta_pct_se=0.1, ppl_s=10.0, nll=1.5 / 128, scored=128)  # fmt: skip
     moved = dict(row, text="code", ppl=6.0)
