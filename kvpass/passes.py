@@ -1313,6 +1313,134 @@ def _pack_static_latent(graph: fx.Graph, node: fx.Node, config: KVConfig) -> tup
     return readers, has_past
 
 
+@dataclasses.dataclass
+class _Expansion:
+    """MLA's K and V expanded from two latent caches read whole (``expand_kv`` of DeepSeek-V2/V3 and
+    kin): ``kv = linear(latent, W).view(B, S, H, dn + dv).transpose(1, 2)``, ``k_nope, v = kv.split([dn,
+    dv], -1)``, ``K = kv.new_empty(...)`` with ``K[..., :dn] = k_nope`` and ``K[..., dn:] = rope.expand(-1,
+    H, -1, -1)``. ``latent`` and ``rope`` are ``cat([past.dequantize(), new])`` of the packed caches."""
+
+    nodes: list[fx.Node]  # the expansion, consumers first, erased once attention no longer reads it
+    sizes: list[fx.Node]  # K.size() read for its batch or length (a dynamic length's decode graph)
+    weight: fx.Node  # W: [H * (dn + dv), r]
+    heads: int
+    nope: int  # dn: the channels of K that come from the latent
+    latent_past: fx.Node  # the packed latent cache before this step (a PackedKV placeholder)
+    latent_new: fx.Node  # [B, 1, T, r]: this step's latent tokens, exact
+    rope: fx.Node  # [B, 1, S, dr]: the rotary part of K, every token, dequantized
+
+
+def _dequantized_with_new(node: fx.Node, role: str) -> tuple[fx.Node, fx.Node]:
+    """``(past, new)`` of ``node = cat([past.dequantize(), new], -2)``, a packed cache's fp readers' view."""
+    if not (_is_sequence_cat(node) and len(node.args[0]) == 2 and _is_call(node.args[0][0], method="dequantize")):
+        raise NoMatch(f"the {role} is not a packed cache's past joined with new tokens (no past: a prefill)")
+    return node.args[0][0].args[0], node.args[0][1]
+
+
+def _match_expansion(attn: _Attention) -> _Expansion:
+    """The latent caches ``attn``'s K and V are expanded from, in the form of :class:`_Expansion`."""
+    split_v = attn.value
+    if not (split_v.target is operator.getitem and split_v.args[1] == 1 and _is_call(split_v.args[0], (torch.split,
+            torch.functional.split), "split")):  # fmt: skip
+        raise NoMatch("V is not the second part of a split")
+    split = split_v.args[0]
+    kv, sizes = split.args[0], split.args[1]
+    dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and dim in (-1, 3) and kv.target == "transpose"):
+        raise NoMatch("V is not split from the last dimension of a transposed projection")
+    view = kv.args[0]
+    linear = view.args[0] if _is_call(view, method="view") else None
+    if not (tuple(kv.args[1:]) == (1, 2) and _is_call(linear, (torch._C._nn.linear,)) and
+            (len(linear.args) < 3 or linear.args[2] is None) and not linear.kwargs.get("bias")):  # fmt: skip
+        raise NoMatch("K and V are not a bias-free linear projection viewed as heads and transposed")
+    key = attn.key
+    if not _is_call(key, method="new_empty") or key.args[0] is not kv:
+        raise NoMatch("K is not filled into a new tensor shaped like the projection")
+    nope, heads = sizes[0], _val(kv).shape[1]
+    copies, sizes = {}, []
+    for part in key.users:
+        if part is attn.key_reader:
+            continue
+        if _reads_only_shape(part) and all(u.target is operator.getitem and u.args[1] in (0, 2) for u in part.users):
+            sizes.append(part)  # the batch or the length, which the rotary latent has too
+            continue
+        index = part.args[1] if part.target is operator.getitem else None
+        if not (index is not None and len(part.users) == 1 and _is_call(next(iter(part.users)), method="copy_")):
+            raise NoMatch(f"K is read by {part.name} besides attention and the two copies filling it")
+        copies[(index[-1].start, index[-1].stop) if isinstance(index, tuple) else None] = next(iter(part.users))
+    nope_copy, rope_copy = copies.get((None, nope)), copies.get((nope, None))
+    if len(copies) != 2 or nope_copy is None or rope_copy is None:
+        raise NoMatch(f"K is not filled as K[..., :{nope}] and K[..., {nope}:]")
+    expand = rope_copy.args[1]
+    if not (nope_copy.args[1].target is operator.getitem and nope_copy.args[1].args == (split, 0)
+            and _is_call(expand, method="expand")):  # fmt: skip
+        raise NoMatch("K is not the projection's first part beside the rotary latent expanded over heads")
+    latent_past, latent_new = _dequantized_with_new(linear.args[0], "latent")
+    _, rope_new = _dequantized_with_new(expand.args[0], "rotary latent")
+    if _val(latent_new).shape[1] != 1 or _val(rope_new).shape[1] != 1:
+        raise NoMatch("the latents have more than one head")
+    parts = [rope_copy, nope_copy, rope_copy.args[0], nope_copy.args[0], key, expand, nope_copy.args[1], split_v]
+    return _Expansion(parts + [split, kv, view, linear, linear.args[0], linear.args[0].args[0][0]], sizes,
+                      linear.args[1], heads, nope, latent_past, latent_new, expand.args[0])  # fmt: skip
+
+
+def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> None:
+    """Attention over the latent itself, K and V never expanded (MLA's weight absorption): with ``W``
+    split per head into ``W_k`` (the dn rows making K) and ``W_v``, ``q_nope . k_nope = (q_nope W_k) .
+    latent``, and ``p @ v = (p @ latent) W_v^T``. So ``kv4_sdpa`` attends with ``q_nope W_k`` over the
+    int4 latent as one KV head, K and V alike; the rotary part of the scores enters as an additive mask."""
+    if attn.is_causal or attn.softcap or attn.folded:
+        raise NoMatch("only a mask or a sink may shape the scores (no is_causal, softcap or folded heads)")
+    _build_mask(graph, attn)
+    with graph.inserting_before(attn.output):
+        query = attn.query
+        if attn.query_scale is not None:
+            scale_op, factor = attn.query_scale
+            query = graph.call_function(scale_op, (query, factor))
+        scale = attn.scale if attn.scale is not None else _val(attn.query).shape[-1] ** -0.5
+        # [H, dn + dv, r]: head h's rows of W, first K's, then V's
+        per_head = graph.call_method("unflatten", (mla.weight, 0, (mla.heads, -1)))
+        w_k = graph.call_function(operator.getitem, (per_head, (slice(None), slice(None, mla.nope))))
+        w_v = graph.call_function(operator.getitem, (per_head, (slice(None), slice(mla.nope, None))))
+        q_nope = graph.call_function(operator.getitem, (query, (Ellipsis, slice(None, mla.nope))))
+        q_rope = graph.call_function(operator.getitem, (query, (Ellipsis, slice(mla.nope, None))))
+        q_latent = graph.call_function(torch.matmul, (q_nope, w_k))
+        rope_scores = graph.call_function(torch.matmul, (q_rope, graph.call_method("transpose", (mla.rope, -2, -1))))
+        mask = graph.call_function(operator.mul, (rope_scores, scale))
+        if attn.attn_mask is not None:
+            mask = (graph.call_method("masked_fill", (mask, graph.call_function(operator.invert, (attn.attn_mask,)),
+                                                       float("-inf")))
+                    if _val(attn.attn_mask).dtype == torch.bool else graph.call_function(operator.add, (mask, attn.attn_mask)))  # fmt: skip
+        new = mla.latent_new
+        if attn.sink is not None:
+            attn.attn_mask = mask
+            new, _ = _add_sink(graph, attn, new, new, new, new)
+            mask = attn.attn_mask
+        kwargs = {"attn_mask": mask, "scale": scale, "is_causal": False, "k_spec": spec, "v_spec": spec}
+        args = (q_latent, mla.latent_past, new, mla.latent_past, new)
+        out_latent = graph.call_function(graph_ops.kv4_sdpa, args, kwargs)
+        fused = graph.call_function(torch.matmul, (out_latent, graph.call_method("transpose", (w_v, -2, -1))))
+    for size in mla.sizes:
+        size.replace_input_with(attn.key, mla.rope)
+    _replace_output(graph, attn, fused)
+    _erase_if_dead(graph, attn.nodes + mla.nodes)
+
+
+def _absorb_site(graph: fx.Graph, report: SiteReport, site: fx.Node) -> None:
+    """A decode site over K and V expanded from int4 latents, rewritten to attend over the latent
+    (:func:`_absorb`) where its expansion has MLA's form; otherwise left expanding, the reason logged."""
+    try:
+        attn = ATTENTION_FORMS[report.form][1](site)
+        mla = _match_expansion(attn)
+        spec = next(u.kwargs["spec"] for u in mla.latent_past.users if u.target is graph_ops.kv4_append)
+        _absorb(graph, attn, mla, spec)
+    except NoMatch as why:
+        log.debug("kvpass: site %d (%s) expands K and V from its latent each step: %s", report.index, report.module, why)
+        return
+    report.reason = "attends over its int4 latent cache directly (MLA's projections absorbed: K and V never expanded)"
+    counters["absorbed_latent_site"] += 1
+
+
 def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> None:
     """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
     reads, phase, left = {}, "prefill", {}
@@ -1346,6 +1474,8 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if _has_ancestor(site, {read for read, reader_layer in reads.items() if reader_layer == layer}):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
+            if phase == "latent":
+                _absorb_site(graph, report, site)
             if config.for_layer(layer) is not config:
                 report.reason += "; the latent cache is stored with V's settings, so this layer's K bits do not apply"
             counters[f"{report.form}_{phase}_site"] += 1

@@ -154,14 +154,28 @@ def test_attention_bench_reads_the_default_layout():
     assert read < 0.31 * (timed["sdpa fp16 (flash)"][1] - 2 * query)
 
 
-def test_decode_fast_fill_packs_keys_with_query_scales_as_a_prefill_does():
-    import kvpass
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])  # K and V; two MLA latents, each with V's settings
+def test_decode_fast_fill_stores_each_layer_as_a_prefill_does(name):
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    cache.update(torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64), 0)
-    layer = decode._pack(cache, kvpass.kv4().config, query_heads=4).layers[0]
-    assert layer.keys.query_scales.shape == (1, 2, 1, 64) and layer.values.query_scales is None
+    from kvpass import bench
+    from kvpass.models_zoo import build
+
+    model = build(name)
+    step, new_cache = bench.stepper(model, "kv4")
+    with torch.no_grad():
+        prompt = bench.fill(step, new_cache(), 1, 80, vocab=model.config.vocab_size)
+        fp = bench.fill(model, DynamicCache(), 1, 80, vocab=model.config.vocab_size)
+    packed = decode._pack(fp, bench.fill(step, new_cache(), 1, 2, vocab=model.config.vocab_size),
+                          model.config.num_attention_heads)  # fmt: skip
+    for real, fast in zip(prompt.layers, packed.layers):
+        for name in ("keys", "values"):
+            assert getattr(fast, name).spec == getattr(real, name).spec
+            # The keys stand in for the queries: a query-scaled K holds scales, as after a real prefill.
+            scales = [getattr(layer, name).query_scales for layer in (real, fast)]
+            assert [s is None for s in scales] == [True, True] or scales[0].shape == scales[1].shape
+    specs = {layer.keys.spec.tag for layer in prompt.layers}
+    assert any(":qs" in tag for tag in specs) == (name == "llama")
 
 
 def test_cli_arguments_parse():

@@ -41,15 +41,21 @@ _HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4
 _KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-r0": dict(refine=0), "kv4-inductor": dict(inner="inductor")}
 
 
-def _pack(cache, backend_config, query_heads: int):
+def _pack(cache, like, query_heads: int):
+    """``cache``'s fp layers stored as the compiled model stored ``like``'s (a short prompt's cache), layer
+    by layer and with their specs: what a real prefill would store (MLA latents with V's spec, narrow
+    heads' specs, per-layer K bits); a layer left fp16 stays so."""
     from kvpass.packed import PackedKV
 
-    for layer in cache.layers:
-        # The fill's queries are gone; the keys stand in for them, so a query-scaled K holds scales
-        # and decode reads them as after a real prefill (latency does not depend on their values).
-        query = layer.keys.repeat_interleave(query_heads // layer.keys.shape[1], dim=1)
-        layer.keys = PackedKV.from_float(layer.keys, backend_config.k, query)
-        layer.values = PackedKV.from_float(layer.values, backend_config.v)
+    for layer, stored in zip(cache.layers, like.layers):
+        for name in ("keys", "values"):
+            fp, spec = getattr(layer, name), getattr(getattr(stored, name), "spec", None)
+            if spec is None:
+                continue
+            # The fill's queries are gone; the keys stand in for them, so a query-scaled K holds scales
+            # and decode reads them as after a real prefill (latency does not depend on their values).
+            query = fp.repeat_interleave(query_heads // fp.shape[1], dim=1) if spec.query_scaled else None
+            setattr(layer, name, PackedKV.from_float(fp, spec, query))
     return cache
 
 
@@ -59,17 +65,18 @@ def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill:
     """``method``'s cache filled to ``ctx`` tokens and ``warmup`` decode steps taken (compiles included), as
     ``dict(method, step, cache, device, fill_s, warmup_s)`` for :func:`time_steps`; ``stepper``: the
     method's :func:`kvpass.bench.stepper` if made already."""
-    import kvpass
     from kvpass import bench
     from transformers import DynamicCache
 
     how, settings = _HOW[method], _KV4_SETTINGS.get(method, {})
     step, new_cache = stepper or bench.stepper(model, how, settings)
     vocab, device = model.config.vocab_size, model.device
+    if how == "kv4" and fill == "fast":
+        stored = bench.fill(step, new_cache(), batch, 2, vocab=vocab, device=device)  # what each layer stores
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
         cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
-        cache = _pack(cache, kvpass.kv4(**settings).config, model.config.num_attention_heads)
+        cache = _pack(cache, stored, model.config.num_attention_heads)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
     _synchronize(device)
