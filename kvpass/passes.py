@@ -1333,7 +1333,7 @@ class _Expansion:
 def _dequantized_with_new(node: fx.Node, role: str) -> tuple[fx.Node, fx.Node]:
     """``(past, new)`` of ``node = cat([past.dequantize(), new], -2)``, a packed cache's fp readers' view."""
     if not (_is_sequence_cat(node) and len(node.args[0]) == 2 and _is_call(node.args[0][0], method="dequantize")):
-        raise NoMatch(f"the {role} is not a packed cache's past joined with new tokens (no past: a prefill)")
+        raise NoMatch(f"the {role} is read as other than a packed past joined with the new tokens (a static buffer)")
     return node.args[0][0].args[0], node.args[0][1]
 
 

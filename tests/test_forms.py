@@ -189,8 +189,9 @@ def _tiny_deepseek_v3():
 
 
 @torch.no_grad()
-def test_mla_latent_cache_is_int4_and_read_dequantized():
-    """DeepSeek-V3 caches a compressed latent and projects K and V from it after the read."""
+def test_mla_latent_cache_is_int4_and_attended_directly():
+    """DeepSeek-V3 caches a compressed latent and projects K and V from it after the read; kv4's decode
+    attends over the int4 latent instead, the projections absorbed into the query and the output."""
     torch._dynamo.reset()
     model = _tiny_deepseek_v3()
     ids = torch.randint(3, 256, (2, 80), generator=torch.Generator().manual_seed(0))
@@ -198,6 +199,11 @@ def test_mla_latent_cache_is_int4_and_read_dequantized():
     backend, got = latent_decode(model, ids, cache)
     # the latent and the rope key
     assert (tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)) == ((2, 1, 83, 32), (2, 1, 83, 16))
+    decode = [graph for graph in backend.graphs if graph.sites[0].phase == "latent"]
+    assert decode and all(site.reason.startswith("attends over its int4 latent cache directly")
+                          for graph in decode for site in graph.sites)  # fmt: skip
+    for graph in decode:  # no latent projected to K and V: kv_b_proj's weight is read only to absorb it
+        assert graph.after.count("kvpass_graph_ops_kv4_sdpa(") == 2 and "kv_b_proj_parameters_weight_, None)" not in graph.after
 
     # Both latents are stored with V's spec: nothing attends over them as keys.
     reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
@@ -309,3 +315,33 @@ def test_a_second_model_whose_constants_dynamo_stops_specialising_is_rewritten(f
         model(input_ids=ids, past_key_values=reference, use_cache=True)
         expected = model(input_ids=ids[:, :1], past_key_values=reference, use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v32"])  # a sink; an indexer's bool mask
+@torch.no_grad()
+def test_mla_absorbed_attention_gives_the_expanded_attentions_logits(model_type, monkeypatch):
+    """Attending over the latent reorders sums, nothing else: the logits of K and V expanded from the same
+    int4 latents, step by step. hy_v4's sink enters as one more zero token, deepseek_v32's sparse
+    indexer as a bool mask, and its dynamic-length graphs read the length off K."""
+    from kvpass import passes
+    from kvpass.coverage import tiny_config
+
+    def generate():
+        torch._dynamo.reset()
+        passes.counters.clear()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+        model.compile(backend=kvpass.kv4())
+        ids = torch.randint(3, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        return out, passes.counters["absorbed_latent_site"], passes.counters["sdpa_latent_site"] + passes.counters[
+            "eager_latent_site"]  # fmt: skip
+
+    absorbed, count, latent_sites = generate()
+    assert count == latent_sites > 0  # every decode graph's sites: a static-length one, a dynamic-length one
+    monkeypatch.setattr(passes, "_absorb_site", lambda *args: None)
+    expanded, count, _ = generate()
+    assert count == 0
+    assert torch.equal(absorbed.sequences, expanded.sequences)
+    torch.testing.assert_close(torch.stack(absorbed.scores), torch.stack(expanded.scores), atol=1e-5, rtol=1e-5)

@@ -607,3 +607,21 @@ def test_the_ops_cuda_kernels_given_cpu_tensors_agree_with_their_cpu_kernels(dty
     # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention twice.
     # The decode step's ops went to their CPU kernels.
     assert launched == ["quantize", "quantize_refined", "quantize", "quantize_refined", "attention", "attention"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_over_an_mla_latent_as_k_and_v(dtype):
+    """MLA decode attends over its latent (``kvpass/passes.py``, ``_absorb``): one KV head of 512 channels
+    read as K and as V alike, 16 query heads, the rotary part of the scores as an additive mask."""
+    from kvpass.packed import PackedKV
+
+    spec = QuantSpec(bits=4, scheme="token", group=64, rotate=True, clip=True, refine=64)
+    gen = torch.Generator().manual_seed(0)
+    latent = PackedKV.from_float(torch.randn(1, 1, 150, 512, generator=gen).to(dtype), spec)
+    latent = latent.append(torch.randn(1, 1, 1, 512, generator=gen).to(dtype))
+    q = torch.randn(1, 16, 1, 512, generator=gen).to(dtype) * 0.2  # scores of a few units, as the scale makes them
+    new = torch.randn(1, 1, 1, 512, generator=gen).to(dtype)
+    mask = torch.randn(1, 16, 1, 152, generator=gen).to(dtype)
+    stored = (latent.codes, latent.scales, latent.residual)
+    fine = (latent.fine_codes, latent.fine_scales) * 2
+    _check((q, *stored, *stored, new, new), mask, False, (spec, spec), dtype, fine=fine)

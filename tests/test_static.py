@@ -1,5 +1,7 @@
 """Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
@@ -148,15 +150,18 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
 
 
 @torch.no_grad()
-def test_mla_static_latent_is_int4_and_read_dequantized():
+def test_mla_static_latent_is_int4_and_read_dequantized(caplog):
     """An MLA model's static cache holds its latent, written into slots: int4 from the graph that
     allocates it, and its projections read every slot dequantized with the new tokens exact, as a
-    DynamicCache latent's readers do."""
+    DynamicCache latent's readers did before its decode attended over the latent itself (not built for
+    slots, and the debug log says so)."""
     torch._dynamo.reset()
     model = build("deepseek_v3")
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    backend, got = latent_decode(model, ids, cache)
+    with caplog.at_level(logging.DEBUG, logger="kvpass"):
+        backend, got = latent_decode(model, ids, cache)
+    assert "expands K and V from its latent each step: the latent is read as other than a packed past" in caplog.text
     assert "kv4_zeros" in backend.graphs[0].after and "torch.zeros((" not in backend.graphs[0].after
     # the latent and the rope key
     assert (tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)) == ((1, 1, 64, 32), (1, 1, 64, 16))
