@@ -49,8 +49,10 @@ A cache write that no attention reads directly, only projections of it (MLA: Dee
 and kin cache a compressed latent and expand it into K and V after the read), is a latent
 cache: stored int4 with the V spec (per-token groups, any length), its readers given
 ``cat([past.dequantize(), new])`` (a static buffer's: ``buffer.dequantize().index_copy(2,
-positions, new)``). The attention over the expanded K and V stays as it is and
-is reported with phase ``latent``: its cache is int4, its read dequantizes the latent each step.
+positions, new)``), and its sites are reported with phase ``latent``. A decode site whose K and V
+are transformers' MLA expansion of two such latents (``_Expansion``) attends over the int4 latent
+itself, the projection absorbed into its query and output (``_absorb``); any other keeps its
+attention over the expanded K and V, which dequantizes the latent each step.
 A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA) that did not
 match is not a latent cache: that site stays fp16 with its reason.
 
@@ -1321,7 +1323,7 @@ class _Expansion:
     H, -1, -1)``. ``latent`` and ``rope`` are ``cat([past.dequantize(), new])`` of the packed caches."""
 
     nodes: list[fx.Node]  # the expansion, consumers first, erased once attention no longer reads it
-    sizes: list[fx.Node]  # K.size() read for its batch or length (a dynamic length's decode graph)
+    size_reads: list[fx.Node]  # K.size() read for its batch or length (a dynamic length's decode graph)
     weight: fx.Node  # W: [H * (dn + dv), r]
     heads: int
     nope: int  # dn: the channels of K that come from the latent
@@ -1344,9 +1346,9 @@ def _match_expansion(attn: _Attention) -> _Expansion:
             torch.functional.split), "split")):  # fmt: skip
         raise NoMatch("V is not the second part of a split")
     split = split_v.args[0]
-    kv, sizes = split.args[0], split.args[1]
+    kv, widths = split.args[0], split.args[1]
     dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
-    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and dim in (-1, 3) and kv.target == "transpose"):
+    if not (isinstance(widths, (list, tuple)) and len(widths) == 2 and dim in (-1, 3) and kv.target == "transpose"):
         raise NoMatch("V is not split from the last dimension of a transposed projection")
     view = kv.args[0]
     linear = view.args[0] if _is_call(view, method="view") else None
@@ -1356,18 +1358,21 @@ def _match_expansion(attn: _Attention) -> _Expansion:
     key = attn.key
     if not _is_call(key, method="new_empty") or key.args[0] is not kv:
         raise NoMatch("K is not filled into a new tensor shaped like the projection")
-    nope, heads = sizes[0], _val(kv).shape[1]
-    copies, sizes = {}, []
+    nope, heads = widths[0], _val(kv).shape[1]
+    if _val(view).shape[-1] != sum(widths) or _val(linear.args[1]).shape[0] != heads * sum(widths):
+        raise NoMatch("the projection's rows are not each head's K part then V part")
+    copies, size_reads = {}, []
     for part in key.users:
         if part is attn.key_reader:
             continue
         if _reads_only_shape(part) and all(u.target is operator.getitem and u.args[1] in (0, 2) for u in part.users):
-            sizes.append(part)  # the batch or the length, which the rotary latent has too
+            size_reads.append(part)  # the batch or the length, which the rotary latent has too
             continue
         index = part.args[1] if part.target is operator.getitem else None
-        if not (index is not None and len(part.users) == 1 and _is_call(next(iter(part.users)), method="copy_")):
+        if not (isinstance(index, tuple) and isinstance(index[-1], slice) and len(part.users) == 1
+                and _is_call(next(iter(part.users)), method="copy_")):  # fmt: skip
             raise NoMatch(f"K is read by {part.name} besides attention and the two copies filling it")
-        copies[(index[-1].start, index[-1].stop) if isinstance(index, tuple) else None] = next(iter(part.users))
+        copies[index[-1].start, index[-1].stop] = next(iter(part.users))
     nope_copy, rope_copy = copies.get((None, nope)), copies.get((nope, None))
     if len(copies) != 2 or nope_copy is None or rope_copy is None:
         raise NoMatch(f"K is not filled as K[..., :{nope}] and K[..., {nope}:]")
@@ -1379,8 +1384,10 @@ def _match_expansion(attn: _Attention) -> _Expansion:
     _, rope_new = _dequantized_with_new(expand.args[0], "rotary latent")
     if _val(latent_new).shape[1] != 1 or _val(rope_new).shape[1] != 1:
         raise NoMatch("the latents have more than one head")
+    if _val(attn.query).shape[-1] != nope + _val(rope_new).shape[-1]:
+        raise NoMatch(f"the query's channels are not K's {nope} projected ones and the rotary key's")
     parts = [rope_copy, nope_copy, rope_copy.args[0], nope_copy.args[0], key, expand, nope_copy.args[1], split_v]
-    return _Expansion(parts + [split, kv, view, linear, linear.args[0], linear.args[0].args[0][0]], sizes,
+    return _Expansion(parts + [split, kv, view, linear, linear.args[0], linear.args[0].args[0][0]], size_reads,
                       linear.args[1], heads, nope, latent_past, latent_new, expand.args[0])  # fmt: skip
 
 
@@ -1407,10 +1414,11 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
         q_latent = graph.call_function(torch.matmul, (q_nope, w_k))
         rope_scores = graph.call_function(torch.matmul, (q_rope, graph.call_method("transpose", (mla.rope, -2, -1))))
         mask = graph.call_function(operator.mul, (rope_scores, scale))
-        if attn.attn_mask is not None:
-            mask = (graph.call_method("masked_fill", (mask, graph.call_function(operator.invert, (attn.attn_mask,)),
-                                                       float("-inf")))
-                    if _val(attn.attn_mask).dtype == torch.bool else graph.call_function(operator.add, (mask, attn.attn_mask)))  # fmt: skip
+        if getattr(_val(attn.attn_mask), "dtype", None) == torch.bool:  # _build_mask's terms are additive
+            dropped = graph.call_function(operator.invert, (attn.attn_mask,))
+            mask = graph.call_method("masked_fill", (mask, dropped, float("-inf")))
+        elif attn.attn_mask is not None:
+            mask = graph.call_function(operator.add, (mask, attn.attn_mask))
         new = mla.latent_new
         if attn.sink is not None:
             attn.attn_mask = mask
@@ -1420,7 +1428,7 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
         args = (q_latent, mla.latent_past, new, mla.latent_past, new)
         out_latent = graph.call_function(graph_ops.kv4_sdpa, args, kwargs)
         fused = graph.call_function(torch.matmul, (out_latent, graph.call_method("transpose", (w_v, -2, -1))))
-    for size in mla.sizes:
+    for size in mla.size_reads:
         size.replace_input_with(attn.key, mla.rope)
     _replace_output(graph, attn, fused)
     _erase_if_dead(graph, attn.nodes + mla.nodes)
