@@ -1339,6 +1339,14 @@ def _dequantized_with_new(node: fx.Node, role: str) -> tuple[fx.Node, fx.Node]:
     return node.args[0][0].args[0], node.args[0][1]
 
 
+def _is_last_dim_slice(index) -> bool:
+    """``x[..., a:b]`` or ``x[:, :, :, a:b]`` of a 4-D ``x``."""
+    if not (isinstance(index, tuple) and isinstance(index[-1], slice) and index[-1].step is None):
+        return False
+    rest = index[:-1]
+    return (rest == (Ellipsis,) or len(rest) == 3) and all(i is Ellipsis or i == slice(None) for i in rest)
+
+
 def _match_expansion(attn: _Attention) -> _Expansion:
     """The latent caches ``attn``'s K and V are expanded from, in the form of :class:`_Expansion`."""
     split_v = attn.value
@@ -1369,10 +1377,10 @@ def _match_expansion(attn: _Attention) -> _Expansion:
             size_reads.append(part)  # the batch or the length, which the rotary latent has too
             continue
         index = part.args[1] if part.target is operator.getitem else None
-        if not (isinstance(index, tuple) and isinstance(index[-1], slice) and len(part.users) == 1
-                and _is_call(next(iter(part.users)), method="copy_")):  # fmt: skip
+        copy = next(iter(part.users)) if len(part.users) == 1 else None
+        if not (_is_last_dim_slice(index) and _is_call(copy, method="copy_") and copy.args[0] is part):
             raise NoMatch(f"K is read by {part.name} besides attention and the two copies filling it")
-        copies[index[-1].start, index[-1].stop] = next(iter(part.users))
+        copies[index[-1].start, index[-1].stop] = copy
     nope_copy, rope_copy = copies.get((None, nope)), copies.get((nope, None))
     if len(copies) != 2 or nope_copy is None or rope_copy is None:
         raise NoMatch(f"K is not filled as K[..., :{nope}] and K[..., {nope}:]")
@@ -1440,7 +1448,9 @@ def _absorb_site(graph: fx.Graph, report: SiteReport, site: fx.Node) -> None:
     try:
         attn = ATTENTION_FORMS[report.form][1](site)
         mla = _match_expansion(attn)
-        spec = next(u.kwargs["spec"] for u in mla.latent_past.users if u.target is graph_ops.kv4_append)
+        spec = next((u.kwargs["spec"] for u in mla.latent_past.users if u.target is graph_ops.kv4_append), None)
+        if spec is None:
+            raise NoMatch(f"no kv4_append of {mla.latent_past.name} in this graph says how the latent is stored")
         _absorb(graph, attn, mla, spec)
     except NoMatch as why:
         log.debug("kvpass: site %d (%s) expands K and V from its latent each step: %s", report.index, report.module, why)

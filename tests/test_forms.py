@@ -203,7 +203,8 @@ def test_mla_latent_cache_is_int4_and_attended_directly():
     assert decode and all(site.reason.startswith("attends over its int4 latent cache directly")
                           for graph in decode for site in graph.sites)  # fmt: skip
     for graph in decode:  # no latent projected to K and V: kv_b_proj's weight is read only to absorb it
-        assert graph.after.count("kvpass_graph_ops_kv4_sdpa(") == 2 and "kv_b_proj_parameters_weight_, None)" not in graph.after
+        assert graph.after.count("kvpass_graph_ops_kv4_sdpa(") == 2
+        assert "kv_b_proj_parameters_weight_, None)" not in graph.after
 
     # Both latents are stored with V's spec: nothing attends over them as keys.
     reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
