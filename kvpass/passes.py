@@ -1033,6 +1033,14 @@ def _write_slots(graph: fx.Graph, write: _CacheWrite) -> fx.Node:
     return written
 
 
+def _scaled_query(graph: fx.Graph, attn: _Attention) -> fx.Node:
+    """The query times the scale the scores were multiplied (or divided) by as a tensor, if any."""
+    if attn.query_scale is None:
+        return attn.query
+    scale_op, factor = attn.query_scale
+    return graph.call_function(scale_op, (attn.query, factor))
+
+
 def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite, k_past, v_past, specs,
                      appends: dict | None = None) -> fx.Node | None:  # fmt: skip
     """Replace the attention by ``kv4_sdpa`` over ``k_past`` / ``v_past`` and, for a DynamicCache,
@@ -1040,10 +1048,7 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
     append's keywords), by ``kv4_decode``, which appends too: returned, its outputs 1 and 2 the caches."""
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
-        query = attn.query
-        if attn.query_scale is not None:
-            scale_op, factor = attn.query_scale
-            query = graph.call_function(scale_op, (query, factor))
+        query = _scaled_query(graph, attn)
         query = _grouped_heads(graph, query, attn.tiles) if attn.tiles > 1 else query
         k_new = v_new = None
         if not _is_static(k):
@@ -1408,10 +1413,7 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
         raise NoMatch("only a mask or a sink may shape the scores (no is_causal, softcap or folded heads)")
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
-        query = attn.query
-        if attn.query_scale is not None:
-            scale_op, factor = attn.query_scale
-            query = graph.call_function(scale_op, (query, factor))
+        query = _scaled_query(graph, attn)
         scale = attn.scale if attn.scale is not None else _val(attn.query).shape[-1] ** -0.5
         # [H, dn + dv, r]: head h's rows of W, first K's, then V's
         per_head = graph.call_method("unflatten", (mla.weight, 0, (mla.heads, -1)))
