@@ -63,6 +63,8 @@ ATTENTION_CASES = [
     (2, 32, 8, 1, 4095, 128, torch.bfloat16, DEFAULT, "pad"),
     (1, 16, 4, 33, 1000, 64, torch.float16, DEFAULT, "chunk"),
     (2, 8, 1, 1, 4095, 256, torch.bfloat16, K8_LAYER, "pad"),
+    # An MLA latent's decode (kvpass/passes.py, _absorb): one KV head of 512 channels, V's spec for both.
+    (2, 16, 1, 1, 4095, 512, torch.bfloat16, (DEFAULT[1], DEFAULT[1]), "pad"),
 ]
 
 
@@ -371,6 +373,33 @@ def check_cuda_graph_decode() -> bool:
     return ok and same
 
 
+def check_mla_decode() -> bool:
+    """DeepSeek-V3's decode attending over its int4 latent (the projections absorbed) on the GPU: every
+    decode site absorbed, and the same tokens and logits as K and V projected from the same latents."""
+    import kvpass
+    from kvpass import passes
+    from kvpass.models_zoo import build
+
+    ids = torch.randint(3, 200, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs, absorb_site = {}, passes._absorb_site
+    for absorbed in (True, False):
+        torch._dynamo.reset()
+        passes.counters.clear()
+        passes._absorb_site = absorb_site if absorbed else lambda *args: None
+        try:
+            model = build("deepseek_v3", dtype=torch.float16).cuda()
+            model.compile(backend=kvpass.kv4())
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        finally:
+            passes._absorb_site = absorb_site
+        runs[absorbed] = out, passes.counters["absorbed_latent_site"]
+    (got, sites), (expected, _) = runs[True], runs[False]
+    same = torch.equal(got.sequences, expected.sequences)
+    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got.scores, expected.scores))
+    print(f"mla decode: {sites} sites absorbed, tokens equal to the expansion's {same}, max logit diff {err:.2e}")
+    return sites > 0 and same and err < 2e-2  # fp16 logits of O(1), sums reordered
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device; the CPU tests (tests/test_kernels.py) cover the interpreter", file=sys.stderr)
@@ -380,7 +409,7 @@ def main() -> int:
     torch.manual_seed(0)
     checks = [(check_quantize, kernels), (check_quantize_refined,), (check_decode_step,), (check_attention, kernels),
               (check_sinks_and_offset, kernels), (check_narrow_heads,), (check_query_rounding, kernels),
-              (check_eager_sdpa,), (check_cuda_graph_decode,)]  # fmt: skip
+              (check_eager_sdpa,), (check_cuda_graph_decode,), (check_mla_decode,)]  # fmt: skip
     if len(sys.argv) > 1:  # check names given: run only those
         checks = [c for c in checks if c[0].__name__ in sys.argv[1:]]
     start, failed = time.time(), []
