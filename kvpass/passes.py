@@ -1325,23 +1325,35 @@ class _Expansion:
     """MLA's K and V expanded from two latent caches read whole (``expand_kv`` of DeepSeek-V2/V3 and
     kin): ``kv = linear(latent, W).view(B, S, H, dn + dv).transpose(1, 2)``, ``k_nope, v = kv.split([dn,
     dv], -1)``, ``K = kv.new_empty(...)`` with ``K[..., :dn] = k_nope`` and ``K[..., dn:] = rope.expand(-1,
-    H, -1, -1)``. ``latent`` and ``rope`` are ``cat([past.dequantize(), new])`` of the packed caches."""
+    H, -1, -1)``. ``latent`` and ``rope`` are the packed caches as their fp readers get them (:class:`_LatentRead`)."""
 
     nodes: list[fx.Node]  # the expansion, consumers first, erased once attention no longer reads it
     size_reads: list[fx.Node]  # K.size() read for its batch or length (a dynamic length's decode graph)
     weight: fx.Node  # W: [H * (dn + dv), r]
     heads: int
     nope: int  # dn: the channels of K that come from the latent
-    latent_past: fx.Node  # the packed latent cache before this step (a PackedKV placeholder)
-    latent_new: fx.Node  # [B, 1, T, r]: this step's latent tokens, exact
-    rope: fx.Node  # [B, 1, S, dr]: the rotary part of K, every token, dequantized
+    latent: _LatentRead
+    rope: fx.Node  # [B, 1, S, dr]: the rotary part of K, every token, dequantized (this step's exact)
+    rope_new: fx.Node  # [B, 1, T, dr]: this step's, exact
 
 
-def _dequantized_with_new(node: fx.Node, role: str) -> tuple[fx.Node, fx.Node]:
-    """``(past, new)`` of ``node = cat([past.dequantize(), new], -2)``, a packed cache's fp readers' view."""
-    if not (_is_sequence_cat(node) and len(node.args[0]) == 2 and _is_call(node.args[0][0], method="dequantize")):
-        raise NoMatch(f"the {role} is read as other than a packed past joined with the new tokens (a static buffer)")
-    return node.args[0][0].args[0], node.args[0][1]
+@dataclasses.dataclass
+class _LatentRead:
+    """What a packed latent's fp readers get (:func:`_rewrite_latent_caches`), taken apart."""
+
+    node: fx.Node  # cat([past.dequantize(), new], -2), or buffer.dequantize().index_copy(2, positions, new)
+    past: fx.Node  # the packed cache before this step, or the static buffer holding this step's tokens too
+    new: fx.Node  # [B, 1, T, D]: this step's tokens, exact
+    positions: fx.Node | None  # a static buffer's slots of them; None: a DynamicCache's, after its past
+
+
+def _latent_read(node: fx.Node, role: str) -> _LatentRead:
+    if _is_sequence_cat(node) and len(node.args[0]) == 2 and _is_call(node.args[0][0], method="dequantize"):
+        return _LatentRead(node, node.args[0][0].args[0], node.args[0][1], None)
+    if _is_call(node, method="index_copy") and node.args[1] == 2 and _is_call(node.args[0], method="dequantize"):
+        return _LatentRead(node, node.args[0].args[0], node.args[3], node.args[2])
+    raise NoMatch(f"the {role} is read as neither a packed past joined with the new tokens nor a static buffer's "
+                  "slots with them (a sliding window's roll, say)")  # fmt: skip
 
 
 def _is_last_dim_slice(index) -> bool:
@@ -1393,15 +1405,32 @@ def _match_expansion(attn: _Attention) -> _Expansion:
     if not (nope_copy.args[1].target is operator.getitem and nope_copy.args[1].args == (split, 0)
             and _is_call(expand, method="expand")):  # fmt: skip
         raise NoMatch("K is not the projection's first part beside the rotary latent expanded over heads")
-    latent_past, latent_new = _dequantized_with_new(linear.args[0], "latent")
-    _, rope_new = _dequantized_with_new(expand.args[0], "rotary latent")
-    if _val(latent_new).shape[1] != 1 or _val(rope_new).shape[1] != 1:
+    latent, rope = _latent_read(linear.args[0], "latent"), _latent_read(expand.args[0], "rotary latent")
+    if _val(latent.new).shape[1] != 1 or _val(rope.new).shape[1] != 1:
         raise NoMatch("the latents have more than one head")
-    if _val(attn.query).shape[-1] != nope + _val(rope_new).shape[-1]:
+    if _val(attn.query).shape[-1] != nope + _val(rope.new).shape[-1]:
         raise NoMatch(f"the query's channels are not K's {nope} projected ones and the rotary key's")
+    if latent.positions is not rope.positions:
+        raise NoMatch("the latent and the rotary latent are written into different slots")
+    dequantized = latent.node.args[0] if latent.positions is not None else latent.node.args[0][0]
     parts = [rope_copy, nope_copy, rope_copy.args[0], nope_copy.args[0], key, expand, nope_copy.args[1], split_v]
-    return _Expansion(parts + [split, kv, view, linear, linear.args[0], linear.args[0].args[0][0]], size_reads,
-                      linear.args[1], heads, nope, latent_past, latent_new, expand.args[0])  # fmt: skip
+    return _Expansion(parts + [split, kv, view, linear, latent.node, dequantized], size_reads, linear.args[1], heads,
+                      nope, latent, rope.node, rope.new)  # fmt: skip
+
+
+def _rope_scores(graph: fx.Graph, q_rope: fx.Node, rope: fx.Node, scale) -> fx.Node:
+    """``q_rope . rope`` scaled: the rotary part of each score, for every head over the shared rope key."""
+    return graph.call_function(operator.mul, (graph.call_function(torch.matmul, (q_rope, graph.call_method(
+        "transpose", (rope, -2, -1)))), scale))  # fmt: skip
+
+
+def _masked(graph: fx.Graph, scores: fx.Node, mask: fx.Node | None, keeps: bool) -> fx.Node:
+    """``scores`` under ``mask``: where it is true if it ``keeps`` (a bool mask); else added to them."""
+    if mask is None:
+        return scores
+    if keeps:
+        return graph.call_method("masked_fill", (scores, graph.call_function(operator.invert, (mask,)), float("-inf")))
+    return graph.call_function(operator.add, (scores, mask))
 
 
 def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> None:
@@ -1411,6 +1440,9 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
     int4 latent as one KV head, K and V alike; the rotary part of the scores enters as an additive mask."""
     if attn.is_causal or attn.softcap or attn.folded:
         raise NoMatch("only a mask or a sink may shape the scores (no is_causal, softcap or folded heads)")
+    static = mla.latent.positions is not None
+    if static and attn.attn_mask is None and not (attn.bias or attn.keep is not None or attn.drop is not None):
+        raise NoMatch("a static buffer's slots are read with no mask to hide those not written yet")
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
         query = _scaled_query(graph, attn)
@@ -1422,20 +1454,23 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
         q_nope = graph.call_function(operator.getitem, (query, (Ellipsis, slice(None, mla.nope))))
         q_rope = graph.call_function(operator.getitem, (query, (Ellipsis, slice(mla.nope, None))))
         q_latent = graph.call_function(torch.matmul, (q_nope, w_k))
-        rope_scores = graph.call_function(torch.matmul, (q_rope, graph.call_method("transpose", (mla.rope, -2, -1))))
-        mask = graph.call_function(operator.mul, (rope_scores, scale))
-        if getattr(_val(attn.attn_mask), "dtype", None) == torch.bool:  # _build_mask's terms are additive
-            dropped = graph.call_function(operator.invert, (attn.attn_mask,))
-            mask = graph.call_method("masked_fill", (mask, dropped, float("-inf")))
-        elif attn.attn_mask is not None:
-            mask = graph.call_function(operator.add, (mask, attn.attn_mask))
-        new = mla.latent_new
+        keeps = getattr(_val(attn.attn_mask), "dtype", None) == torch.bool  # _build_mask's terms are added
+        mask = _masked(graph, _rope_scores(graph, q_rope, mla.rope, scale), attn.attn_mask, keeps)
+        new = mla.latent.new
+        if static:
+            # The buffer holds this step's tokens quantized; they are read exact, after the slots, whose
+            # own columns are hidden (their visibility among themselves is the mask's at their slots).
+            positions = mla.latent.positions
+            among_new = graph.call_function(torch.index_select, (attn.attn_mask, -1, positions))
+            slots = graph.call_method("index_fill", (mask, -1, positions, float("-inf")))
+            mask = _masked(graph, _rope_scores(graph, q_rope, mla.rope_new, scale), among_new, keeps)
+            mask = graph.call_function(torch.cat, ([slots, mask],), {"dim": -1})
         if attn.sink is not None:
             attn.attn_mask = mask
             new, _ = _add_sink(graph, attn, new, new, new, new)
             mask = attn.attn_mask
         kwargs = {"attn_mask": mask, "scale": scale, "is_causal": False, "k_spec": spec, "v_spec": spec}
-        args = (q_latent, mla.latent_past, new, mla.latent_past, new)
+        args = (q_latent, mla.latent.past, new, mla.latent.past, new)
         out_latent = graph.call_function(graph_ops.kv4_sdpa, args, kwargs)
         fused = graph.call_function(torch.matmul, (out_latent, graph.call_method("transpose", (w_v, -2, -1))))
     for size in mla.size_reads:
@@ -1450,10 +1485,10 @@ def _absorb_site(graph: fx.Graph, report: SiteReport, site: fx.Node) -> None:
     try:
         attn = ATTENTION_FORMS[report.form][1](site)
         mla = _match_expansion(attn)
-        spec = next((u.kwargs["spec"] for u in mla.latent_past.users if u.target is graph_ops.kv4_append), None)
+        spec = getattr(_val(mla.latent.past), "spec", None)
         if spec is None:
-            raise NoMatch(f"no kv4_append of {mla.latent_past.name} in this graph says how the latent is stored")
-        _absorb(graph, attn, mla, spec)
+            raise NoMatch(f"the latent cache {mla.latent.past.name} is not a PackedKV with its spec in this graph")
+        _absorb(graph, attn, mla, spec.tag)
     except NoMatch as why:
         log.debug("kvpass: site %d (%s) expands K and V from its latent each step: %s", report.index, report.module, why)
         return

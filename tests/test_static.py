@@ -150,19 +150,18 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
 
 
 @torch.no_grad()
-def test_mla_static_latent_is_int4_and_read_dequantized(caplog):
+def test_mla_static_latent_is_int4_and_attended_directly():
     """An MLA model's static cache holds its latent, written into slots: int4 from the graph that
-    allocates it, and its projections read every slot dequantized with the new tokens exact, as a
-    DynamicCache latent's readers did before its decode attended over the latent itself (not built for
-    slots, and the debug log says so)."""
+    allocates it. A decode step attends over the int4 slots (the projections absorbed, as for a
+    DynamicCache's latent), this step's tokens exact: their slots hidden, they come after the slots."""
     torch._dynamo.reset()
     model = build("deepseek_v3")
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    with caplog.at_level(logging.DEBUG, logger="kvpass"):
-        backend, got = latent_decode(model, ids, cache)
-    assert "expands K and V from its latent each step: the latent is read as other than a packed past" in caplog.text
+    backend, got = latent_decode(model, ids, cache)
     assert "kv4_zeros" in backend.graphs[0].after and "torch.zeros((" not in backend.graphs[0].after
+    decode = [site for graph in backend.graphs[1:] for site in graph.sites]
+    assert decode and all(site.reason.startswith("attends over its int4 latent cache directly") for site in decode)
     # the latent and the rope key
     assert (tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)) == ((1, 1, 64, 32), (1, 1, 64, 16))
 
@@ -348,15 +347,22 @@ def _dots3_note():
 
 
 @torch.no_grad()
-def test_mla_latent_in_a_sliding_static_layer_is_int4_and_read_dequantized():
+def test_mla_latent_in_a_sliding_static_layer_is_int4_and_read_dequantized(caplog):
     """A 40-token prompt overflows layer 1's window of 32 (the buffer keeps the newest 32, the
     projections read all 40 exact); each decode step then rolls the window and writes its last
     slot. Against the eager model whose buffers are quantized before each step: every stored slot
-    read dequantized, the new token exact."""
+    read dequantized, the new token exact. Layer 0's slots are attended directly; layer 1's rolled
+    window keeps the projections (not built), and the debug log says why."""
     model = _dots3_note()
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    backend, got = latent_decode(model, ids, cache)
+    with caplog.at_level(logging.DEBUG, logger="kvpass"):
+        backend, got = latent_decode(model, ids, cache)
+    reasons = {site.module: site.reason for site in backend.graphs[-1].sites}
+    assert reasons["model.layers.0.self_attn"].startswith("attends over its int4 latent cache directly")
+    assert reasons["model.layers.1.self_attn"].startswith("attends over K/V projected from an int4 latent cache")
+    expanded = "(model.layers.1.self_attn) expands K and V from its latent each step: the latent is read as neither"
+    assert expanded in caplog.text
     window = cache.layers[1]  # the latent and the rope key, the newest 32 tokens of each
     assert (tuple(window.keys.shape), tuple(window.values.shape)) == ((1, 1, 32, 32), (1, 1, 32, 16))
 
