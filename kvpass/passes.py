@@ -1341,19 +1341,27 @@ class _Expansion:
 class _LatentRead:
     """What a packed latent's fp readers get (:func:`_rewrite_latent_caches`), taken apart."""
 
-    node: fx.Node  # cat([past.dequantize(), new], -2), or buffer.dequantize().index_copy(2, positions, new)
+    nodes: list[fx.Node]  # the read, from the node readers read back to the dequantize
     past: fx.Node  # the packed cache before this step, or the static buffer holding this step's tokens too
     new: fx.Node  # [B, 1, T, D]: this step's tokens, exact
-    positions: fx.Node | None  # a static buffer's slots of them; None: a DynamicCache's, after its past
+    positions: fx.Node | None = None  # a static buffer's slots of them
+    rolled: bool = False  # a full sliding window rolled, this step's token in its last slot
 
 
 def _latent_read(node: fx.Node, role: str) -> _LatentRead:
-    if _is_sequence_cat(node) and len(node.args[0]) == 2 and _is_call(node.args[0][0], method="dequantize"):
-        return _LatentRead(node, node.args[0][0].args[0], node.args[0][1], None)
+    """``cat([past.dequantize(), new])`` (a DynamicCache), ``buffer.dequantize().index_copy(2, positions,
+    new)`` (a static buffer's slots) or ``cat([buffer.dequantize()[:, :, :-1], new])`` (a rolled window)."""
+    if _is_sequence_cat(node) and len(node.args[0]) == 2:
+        stored, new = node.args[0]
+        if _is_call(stored, method="dequantize"):
+            return _LatentRead([node, stored], stored.args[0], new)
+        if _is_sequence_slice(stored) and stored.args[1][2] == slice(None, -1) and _is_call(stored.args[0],
+                                                                                              method="dequantize"):
+            return _LatentRead([node, stored, stored.args[0]], stored.args[0].args[0], new, rolled=True)
     if _is_call(node, method="index_copy") and node.args[1] == 2 and _is_call(node.args[0], method="dequantize"):
-        return _LatentRead(node, node.args[0].args[0], node.args[3], node.args[2])
-    raise NoMatch(f"the {role} is read as neither a packed past joined with the new tokens nor a static buffer's "
-                  "slots with them (a sliding window's roll, say)")  # fmt: skip
+        return _LatentRead([node, node.args[0]], node.args[0].args[0], node.args[3], node.args[2])
+    raise NoMatch(f"the {role} is read as none of a packed past joined with the new tokens, a static buffer's slots "
+                  "with them, or a rolled window's")  # fmt: skip
 
 
 def _is_last_dim_slice(index) -> bool:
@@ -1410,12 +1418,13 @@ def _match_expansion(attn: _Attention) -> _Expansion:
         raise NoMatch("the latents have more than one head")
     if _val(attn.query).shape[-1] != nope + _val(rope.new).shape[-1]:
         raise NoMatch(f"the query's channels are not K's {nope} projected ones and the rotary key's")
-    if latent.positions is not rope.positions:
-        raise NoMatch("the latent and the rotary latent are written into different slots")
-    dequantized = latent.node.args[0] if latent.positions is not None else latent.node.args[0][0]
+    if (latent.positions, latent.rolled) != (rope.positions, rope.rolled):
+        raise NoMatch("the latent and the rotary latent are written differently")
+    if latent.rolled and _val(latent.new).shape[2] != 1:
+        raise NoMatch("several tokens into a rolled window")
     parts = [rope_copy, nope_copy, rope_copy.args[0], nope_copy.args[0], key, expand, nope_copy.args[1], split_v]
-    return _Expansion(parts + [split, kv, view, linear, latent.node, dequantized], size_reads, linear.args[1], heads,
-                      nope, latent, rope.node, rope.new)  # fmt: skip
+    return _Expansion(parts + [split, kv, view, linear, *latent.nodes], size_reads, linear.args[1], heads, nope,
+                      latent, rope.nodes[0], rope.new)  # fmt: skip
 
 
 def _rope_scores(graph: fx.Graph, q_rope: fx.Node, rope: fx.Node, scale) -> fx.Node:
@@ -1465,6 +1474,13 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
             slots = graph.call_method("index_fill", (mask, -1, positions, float("-inf")))
             mask = _masked(graph, _rope_scores(graph, q_rope, mla.rope_new, scale), among_new, keeps)
             mask = graph.call_function(torch.cat, ([slots, mask],), {"dim": -1})
+        elif mla.latent.rolled:
+            # The window's last slot holds this step's token quantized, and the read its exact one in that
+            # column: hidden there, it is read exact after the window.
+            kept = graph.call_function(operator.getitem, (mask, (Ellipsis, slice(None, -1))))
+            last = graph.call_function(operator.getitem, (mask, (Ellipsis, slice(-1, None))))
+            hidden = graph.call_function(torch.full_like, (last, float("-inf")))
+            mask = graph.call_function(torch.cat, ([kept, hidden, last],), {"dim": -1})
         if attn.sink is not None:
             attn.attn_mask = mask
             new, _ = _add_sink(graph, attn, new, new, new, new)

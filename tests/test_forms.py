@@ -5,6 +5,7 @@ model reading the same quantized past (:class:`kvpass.simulate.SimulatedKVCache`
 Batch 2, so folding heads into the batch (``[B * H, T, D]``) is checked in the right order.
 """
 
+import logging
 import re
 
 import pytest
@@ -346,3 +347,35 @@ def test_mla_absorbed_attention_gives_the_expanded_attentions_logits(model_type,
     assert count == 0
     assert torch.equal(absorbed.sequences, expanded.sequences)
     torch.testing.assert_close(torch.stack(absorbed.scores), torch.stack(expanded.scores), atol=1e-5, rtol=1e-5)
+
+
+class _ProjectedSdpa(torch.nn.Module):
+    """SDPA over K and V projected from a cache layer, not in MLA's form (no split, no K filled by copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+
+    def forward(self, q, k, v, cache):
+        k, v = cache.update(k, v, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q, self.proj(k), self.proj(v))
+
+
+@torch.no_grad()
+def test_projections_not_in_mlas_form_keep_them_and_say_why(caplog):
+    torch._dynamo.reset()
+    module = _ProjectedSdpa().eval()
+    step = torch.compile(module, backend=kvpass.kv4())
+    cache = DynamicCache()
+    x, y = torch.randn(1, 2, 70, 32), torch.randn(1, 2, 1, 32)
+    step(x, x, x, cache)
+    with caplog.at_level(logging.DEBUG, logger="kvpass"):
+        got = step(y, y, y, cache)
+    assert "expands K and V from its latent each step: V is not the second part of a split" in caplog.text
+    assert isinstance(cache.layers[0].keys, PackedKV)
+    reference = DynamicCache()
+    module(x, x, x, reference)
+    spec = kvpass.kv4().config.v
+    for name in ("keys", "values"):
+        setattr(reference.layers[0], name, PackedKV.from_float(getattr(reference.layers[0], name), spec).dequantize())
+    torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)

@@ -1,7 +1,5 @@
 """Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
 
-import logging
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
@@ -347,22 +345,18 @@ def _dots3_note():
 
 
 @torch.no_grad()
-def test_mla_latent_in_a_sliding_static_layer_is_int4_and_read_dequantized(caplog):
+def test_mla_latent_in_a_sliding_static_layer_is_int4_and_attended_directly():
     """A 40-token prompt overflows layer 1's window of 32 (the buffer keeps the newest 32, the
     projections read all 40 exact); each decode step then rolls the window and writes its last
     slot. Against the eager model whose buffers are quantized before each step: every stored slot
-    read dequantized, the new token exact. Layer 0's slots are attended directly; layer 1's rolled
-    window keeps the projections (not built), and the debug log says why."""
+    read as stored, the new token exact. Both layers' decode attends over the latent: layer 0's
+    slots, and layer 1's rolled window with its last slot hidden and this step's token after it."""
     model = _dots3_note()
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    with caplog.at_level(logging.DEBUG, logger="kvpass"):
-        backend, got = latent_decode(model, ids, cache)
-    reasons = {site.module: site.reason for site in backend.graphs[-1].sites}
-    assert reasons["model.layers.0.self_attn"].startswith("attends over its int4 latent cache directly")
-    assert reasons["model.layers.1.self_attn"].startswith("attends over K/V projected from an int4 latent cache")
-    expanded = "(model.layers.1.self_attn) expands K and V from its latent each step: the latent is read as neither"
-    assert expanded in caplog.text
+    backend, got = latent_decode(model, ids, cache)
+    decode = [site for graph in backend.graphs[1:] for site in graph.sites]
+    assert decode and all(site.reason.startswith("attends over its int4 latent cache directly") for site in decode)
     window = cache.layers[1]  # the latent and the rope key, the newest 32 tokens of each
     assert (tuple(window.keys.shape), tuple(window.values.shape)) == ((1, 1, 32, 32), (1, 1, 32, 16))
 
