@@ -378,8 +378,9 @@ def _check_scales(codes: torch.Tensor, scales: torch.Tensor, spec) -> None:
 
 # Query heads per KV head up to which each reads a part in a sum of its own: Inductor fuses sums over
 # the same tokens into one loop that unpacks each code once, where one broadcast sum unpacks it once
-# per query head (docs/design.md); more heads would be as many accumulators.
-ROW_SUMS = 8
+# per query head (docs/design.md). Per-head sums were 2.6-3.1x faster at 16-128 heads too, but each
+# head is an expression to compile: 15 s at 16, 98 s at 128 (a 512-channel MLA latent, this VM).
+ROW_SUMS = 16
 
 
 def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -496,13 +496,15 @@ def _caches(specs, batch, heads, past, dtype, seed, rep=3, head_dim=64):
         ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 3, 64),
         (KIVI, torch.float16, "bool", 30.0, 3, 64),
         (ASYM_INT2_INT8, torch.bfloat16, "float", 0.0, 3, 64),
+        ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, cpu_steps.ROW_SUMS, 64),  # a sum a head, at the most
         ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, cpu_steps.ROW_SUMS + 1, 64),  # one sum for every head
         # Two groups of 64 a head (the bench model's), and groups clipped to 16 channels (QuantSpec.token_group)
         # in five runs of a head: sums over more than one run, under a block-Hadamard rotation at 80.
         ((DEFAULT.k, DEFAULT.v), torch.float32, None, 0.0, 4, 128),
         ((DEFAULT.k, DEFAULT.v), torch.bfloat16, "bool", 0.0, 2, 80),
     ],
-    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask", "default-fp32-many-heads",
+    ids=["default-fp32", "kivi-fp16-bool-mask-softcap", "asym-int2-int8-bf16-float-mask", "default-fp32-row-sums-heads",
+         "default-fp32-many-heads",
          "default-fp32-head-dim-128", "default-bf16-bool-mask-head-dim-80"],
 )  # fmt: skip
 def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps, monkeypatch, specs, dtype, mask,
