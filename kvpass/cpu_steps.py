@@ -378,8 +378,8 @@ def _check_scales(codes: torch.Tensor, scales: torch.Tensor, spec) -> None:
 
 # Query heads per KV head up to which each reads a part in a sum of its own: Inductor fuses sums over
 # the same tokens into one loop that unpacks each code once, where one broadcast sum unpacks it once
-# per query head (docs/design.md). Per-head sums were 2.6-3.1x faster at 16-128 heads too, but each
-# head is an expression to compile: 15 s at 16, 98 s at 128 (a 512-channel MLA latent, this VM).
+# per query head (docs/design.md). Per-head sums were 2.6-3.0x faster at 16-128 heads too, but each
+# head is an expression to compile: 22 s cold at 16, 92 s at 128, against 13 (benchmarks/row_sums.py).
 ROW_SUMS = 16
 
 
