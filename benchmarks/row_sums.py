@@ -1,12 +1,13 @@
 """The fused CPU decode attention over an MLA latent (one KV head of 512 channels, as kv4 attends over it
-after absorbing the projections) with each query head's own sum against one broadcast sum:
-``kvpass.cpu_steps.ROW_SUMS`` set per process, since it decides the graph compiled.
+after absorbing the projections) with its query heads summed in groups of at most
+``kvpass.cpu_steps.ROW_SUMS``, set per process since it decides the graph compiled: 8, 16 (the default)
+and every head in one group.
 
 For each count of query heads a KV head, each setting runs in a subprocess of its own, with an empty
 Inductor cache (a directory of its own): the first 3 calls (compiling), then the median of 30, and the
 largest difference from the reference attention.
 
-    python benchmarks/row_sums.py [--heads 16 32 64 128] [--context 4096]
+    python benchmarks/row_sums.py [--heads 16 32 64 71 128] [--context 4096]
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def measure(heads: int, row_sums: int, context: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", type=arguments.positive_int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--heads", type=arguments.positive_int, nargs="+", default=[16, 32, 64, 71, 128])
     parser.add_argument("--context", type=arguments.tokens, default=4096)
     parser.add_argument("--threads", type=arguments.positive_int, default=2)
     parser.add_argument("--one", type=arguments.positive_int, nargs=2, help=argparse.SUPPRESS)  # a worker's
@@ -69,7 +70,7 @@ def main() -> None:
     print("| query heads a KV head | ROW_SUMS | first 3 calls s | ms a call | max diff vs reference |")
     print("|---|---|---|---|---|")
     for heads in args.heads:
-        for row_sums in (8, heads):  # the broadcast sum (more heads than 8), then a sum a head
+        for row_sums in sorted({8, 16, heads}):
             worker = [sys.executable, __file__, "--one", str(heads), str(row_sums), "--context", str(args.context),
                       "--threads", str(args.threads)]  # fmt: skip
             with tempfile.TemporaryDirectory() as cache:  # compiled cold, as a fresh machine would

@@ -9,6 +9,9 @@ offline, for ``kvpass bench decode --model DIR``.
   latent and a 64-channel rotary key cached per token, K and V projected from the latent to 128 + 64 and
   128 channels a head, hidden size 2,048 (as DeepSeek-V3 on transformers' code). Layer 0 dense, layer 1
   4 routed experts of 512 channels, 2 per token, and a shared one.
+- ``deepseek-v3``: DeepSeek-V3's MLA, the same latent and heads of the same widths as the above, but 128
+  of them, queries through a 1,536-channel low-rank projection, hidden size 7,168; the same layers and
+  experts otherwise. kv4 attends over its latent with 128 query heads a KV head.
 
 The rest is shrunk so that the attention is a visible part of a CPU decode step: 2 layers, and a
 vocabulary of 2,048 words (a word-level tokenizer, which the benchmark does not use: it feeds random
@@ -36,6 +39,12 @@ SHAPES = {
     ),
     "deepseek-v2-lite": lambda: DeepseekV3Config(
         num_hidden_layers=2, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=1024,
+        moe_intermediate_size=512, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=VOCAB, max_position_embeddings=16384,
+    ),
+    "deepseek-v3": lambda: DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, intermediate_size=1024,
         moe_intermediate_size=512, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, vocab_size=VOCAB, max_position_embeddings=16384,

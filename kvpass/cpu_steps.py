@@ -376,31 +376,41 @@ def _check_scales(codes: torch.Tensor, scales: torch.Tensor, spec) -> None:
         torch._check(scales.shape[2] == codes.shape[2])
 
 
-# Query heads per KV head up to which each reads a part in a sum of its own: Inductor fuses sums over
-# the same tokens into one loop that unpacks each code once, where one broadcast sum unpacks it once
-# per query head (docs/design.md). Per-head sums were 2.6-3.0x faster at 16-128 heads too, but each
-# head is an expression to compile: 22 s cold at 16, 92 s at 128, against 13 (benchmarks/row_sums.py).
+# Query heads a KV head that read a part in sums of their own: Inductor fuses sums over the same tokens
+# into one loop that unpacks each code once, where one broadcast sum unpacks it once per query head
+# (docs/design.md). Each head's sum is an expression to compile, so more heads go in groups of at most
+# this many, the groups a loop of the same compiled sums: a code is unpacked once a group, and the compile
+# does not grow with the heads (benchmarks/row_sums.py).
 ROW_SUMS = 16
+
+
+def _row_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, rep, ...]`` as ``[B, H, groups, size, ...]``: rows in the fewest groups of at most
+    ``ROW_SUMS``, zero rows after the last (a query head of none is a score and a sum of 0, cut off
+    by the caller)."""
+    rep = x.shape[2]
+    groups = -(-rep // ROW_SUMS)
+    size = -(-rep // groups)
+    if groups * size > rep:
+        x = torch.cat([x, x.new_zeros(*x.shape[:2], groups * size - rep, *x.shape[3:])], 2)
+    return x.unflatten(2, (groups, size))
 
 
 def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``q [B, H, rep, D]`` against every token of ``keys [B, H, n, *inner]``: ``[B, H, rep, n]``."""
     inner = keys.shape[3:]
-    q = q.unflatten(-1, inner)
     dims = tuple(range(-len(inner), 0))
-    if q.shape[2] > ROW_SUMS:
-        return (q[:, :, :, None] * keys[:, :, None]).sum(dims)
-    return torch.stack([(keys * q[:, :, r, None]).sum(dims) for r in range(q.shape[2])], 2)
+    rows, keys = _row_groups(q.unflatten(-1, inner)), keys[:, :, None]
+    s = torch.stack([(keys * rows[:, :, :, r, None]).sum(dims) for r in range(rows.shape[3])], 3)
+    return s.flatten(2, 3)[:, :, : q.shape[2]]
 
 
 def _weighted(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``p [B, H, rep, n]`` weighting ``values [B, H, n, *inner]``: ``[B, H, rep, D]``."""
     expand = (...,) + (None,) * (values.dim() - 3)
-    if p.shape[2] > ROW_SUMS:
-        out = (p[expand] * values[:, :, None]).sum(3)
-    else:
-        out = torch.stack([(p[:, :, r][expand] * values).sum(2) for r in range(p.shape[2])], 2)
-    return out.flatten(3)
+    rows, values = _row_groups(p), values[:, :, None]
+    out = torch.stack([(rows[:, :, :, r][expand] * values).sum(3) for r in range(rows.shape[3])], 3)
+    return out.flatten(2, 3)[:, :, : p.shape[2]].flatten(3)
 
 
 def _decode_attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,

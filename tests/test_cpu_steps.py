@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import DynamicCache
 
 from kvpass import cpu_steps, ops, packed, reference
@@ -532,6 +533,22 @@ def test_a_decode_steps_fused_attention_agrees_with_the_reference(compiled_steps
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
     if mask is not None:
         assert not got[2].any(), "a row with every key masked is zeros, as SDPA's"
+
+
+@pytest.mark.parametrize("rep, group", [(1, 1), (5, 5), (16, 16), (17, 9), (71, 15), (128, 16)])
+def test_query_heads_sum_in_groups_so_the_compile_does_not_grow_with_them(monkeypatch, rep, group):
+    """Each query head's scores and output are the plain products', and the sums to compile are one
+    group's: the fewest groups of at most ``ROW_SUMS`` heads (71 heads, Falcon-7B's: 5 of 15)."""
+    monkeypatch.setattr(cpu_steps, "ROW_SUMS", 16)
+    g = torch.Generator().manual_seed(rep)
+    q = torch.randn(2, 3, rep, 64, generator=g)
+    keys = torch.randn(2, 3, 10, 2, 4, 8, generator=g)  # a per-token part's [runs, fields, run]
+    p = torch.rand(2, 3, rep, 10, generator=g)
+    torch.testing.assert_close(cpu_steps._dots(q, keys), q @ keys.flatten(3).transpose(-1, -2))
+    torch.testing.assert_close(cpu_steps._weighted(p, keys), p @ keys.flatten(3))
+    for fn, args in ((cpu_steps._dots, (q, keys)), (cpu_steps._weighted, (p, keys))):
+        graph = make_fx(fn)(*args).graph
+        assert sum(n.target is torch.ops.aten.sum.dim_IntList for n in graph.nodes) == group, fn.__name__
 
 
 # One query head a KV head over a rotated cache and no extras: MiMo-V2-Flash's sink layers, whose compile
