@@ -82,7 +82,7 @@ def rewrite_then(inner_compiler, config: KVConfig):
         record = CompiledGraph(name, before, debug.normalize_graph_code(gm), sites)
         kv4_compiler.graphs.append(record)
         for site in sites:
-            if not site.rewritten:
+            if site.left_fp16:
                 log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
         if debug.debug_requested(config.debug):
             debug.report(record.name, record.before, record.after, sites, config.debug_dir)

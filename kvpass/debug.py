@@ -67,7 +67,8 @@ def graph_diff(before: str, after: str, name: str = "graph") -> str:
 def site_table(reports) -> str:
     rows = [("site", "module", "form", "phase", "kv cache", "reason")]
     for r in reports:
-        rows.append((str(r.index), r.module, r.form, r.phase, "int4" if r.rewritten else "fp16", r.reason))
+        kv_cache = "int4" if r.rewritten else "fp16" if r.left_fp16 else "none"
+        rows.append((str(r.index), r.module, r.form, r.phase, kv_cache, r.reason))
     if len(rows) == 1:
         rows.append(("-", "-", "-", "-", "-", "no attention (SDPA or matmul-softmax-matmul) in this graph"))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]

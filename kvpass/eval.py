@@ -280,7 +280,7 @@ class Runner:
             if not isinstance(layer.keys, PackedKV) or not isinstance(layer.values, PackedKV):
                 raise RuntimeError(f"kv4 did not take effect: layer {i} holds {type(layer.keys).__name__}")
         for graph in self.backend.graphs:
-            bad = [s for s in graph.sites if not s.rewritten]
+            bad = [s for s in graph.sites if s.left_fp16]
             if bad:
                 raise RuntimeError(f"kv4 left {len(bad)} attention sites unrewritten in {graph.name}: {bad[0].reason}")
 

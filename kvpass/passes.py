@@ -92,14 +92,24 @@ class NoMatch(Exception):
     """A site that stays fp16; the message is the reason shown to the user."""
 
 
+# The phase of an attention whose K and V no cache holds (:func:`_reads_no_cache`): nothing to store.
+NO_CACHE = "no cache"
+
+
 @dataclasses.dataclass
 class SiteReport:
     index: int
     module: str
     form: str  # "sdpa" or "eager" (matmul -> softmax -> matmul)
-    phase: str  # "prefill" (empty past), "decode", "static" (preallocated buffer) or "latent" (MLA)
+    # "prefill" (empty past), "decode", "static" (preallocated buffer), "latent" (MLA) or NO_CACHE
+    phase: str
     rewritten: bool
     reason: str = ""
+
+    @property
+    def left_fp16(self) -> bool:
+        """An attention over a KV cache that stays fp16: not rewritten, and not one that reads no cache."""
+        return not self.rewritten and self.phase != NO_CACHE
 
 
 @dataclasses.dataclass
@@ -1590,6 +1600,45 @@ def _sliding_kept(write: _CacheWrite) -> int | None:
     return None
 
 
+def _attention_output(candidate: fx.Node, form: str) -> fx.Node:
+    """A candidate's result: the SDPA call, or an eager form's ``probs @ V``."""
+    if form == "sdpa":
+        return candidate
+    return _probs_consumer(candidate, MATMUL_TARGETS if form == "eager" else BMM_TARGETS)[0]
+
+
+def _kept_between_forwards(node: fx.Node) -> bool:
+    """Whether ``node`` may be a KV cache's tensor: one of 4 dims or more (batch, heads, tokens,
+    channels; a convolution's state has 3) that the graph returns or writes into, or that it takes
+    in and is no parameter (a cache's tensor read, or a value a graph break passed on)."""
+    val = _val(node)
+    if not isinstance(val, torch.Tensor) or val.dim() < 4:
+        return False
+    if node.op in ("placeholder", "get_attr"):
+        return not isinstance(val, torch.nn.Parameter)
+    for user in node.users:
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        if user.op == "output" or (name.endswith("_") and not name.startswith("_") and user.args[:1] == (node,)):
+            return True
+    return False
+
+
+def _reads_no_cache(attn: _Attention, outputs: set) -> bool:
+    """Whether K and V descend from nothing a cache could hold, short of other attentions' results
+    (``outputs``), which read their own caches: an attention over values of this forward alone, such
+    as Inkling2's over its layers' outputs, where a cache write is not missed but absent."""
+    seen, todo = set(), [attn.key, attn.value]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, fx.Node) or node in seen or node in outputs:
+            continue
+        if _kept_between_forwards(node):
+            return False
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    return True
+
+
 def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
     seen, todo = set(), [node]
     while todo and len(seen) < limit:
@@ -1609,13 +1658,21 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])
     reports, matched, unmatched = [], [], []
+    outputs = {_attention_output(node, form) for node, form in candidates}
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
         site_config = config.for_layer(_layer_index(module))
+        attn = None
         try:
             attn = ATTENTION_FORMS[form][1](node)
             matched.append((index, module, form, attn, site_config, *_match_cache(attn, site_config)))
         except NoMatch as why:
+            if attn is not None and _reads_no_cache(attn, outputs):
+                reason = f"reads no KV cache: K and V descend from nothing kept between forwards ({why})"
+                reports.append(SiteReport(index, module, form, NO_CACHE, False, reason))
+                log.debug("kvpass: site %d (%s, %s) %s", index, module, form, reason)
+                counters["site_without_cache"] += 1
+                continue
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
             unmatched.append((reports[-1], node))
             log.debug("kvpass: site %d (%s, %s) left fp16: %s", index, module, form, why)

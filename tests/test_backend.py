@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from kvpass import passes
+from kvpass import debug, passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
@@ -204,6 +204,42 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     assert "does not come from a cache write" in plain.sites[0].reason
     assert plain.sites[0].reason in caplog.text
     assert dropout.sites[0].reason == "dropout_p=0.5 (only inference attention, dropout 0, is rewritten)"
+    assert passes.counters["site_left_fp16"] == left_before + 2
+
+
+def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
+    """Inkling2 attends over its layers' outputs, per token: K and V descend from nothing a cache could
+    hold, so no cache write is missed there, and the site says so rather than "left fp16". K computed
+    from a 4-D input, or from a cache write through an op that is no view, keeps the cache's reason."""
+    torch._dynamo.reset()
+    backend = kvpass.kv4()
+    weights = torch.randn(3, 16, 16)
+
+    def over_layer_outputs(x):  # x [B, S, 16]; attends over three "layers" of each token
+        blocks = torch.stack([torch.tanh(x @ w) for w in weights], -2)  # [B, S, 3, 16]
+        k = torch.nn.functional.rms_norm(blocks, (16,))
+        return torch.nn.functional.scaled_dot_product_attention(x[:, :, None], k, k)
+
+    def over_an_input(q, k_in):
+        return torch.nn.functional.scaled_dot_product_attention(q, k_in * 2, k_in)
+
+    def over_a_cache_write_scaled(q, k_past, k_new):
+        k = torch.cat([k_past, k_new], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k * 2, k), k
+
+    x, q = torch.randn(2, 5, 16), torch.randn(1, 2, 3, 16)
+    without_before, left_before = passes.counters["site_without_cache"], passes.counters["site_left_fp16"]
+    with caplog.at_level(logging.INFO, logger="kvpass"):
+        torch.compile(over_layer_outputs, backend=backend)(x)
+        torch.compile(over_an_input, backend=backend)(q, q)
+        torch.compile(over_a_cache_write_scaled, backend=backend)(q, q, q)
+    (no_cache,), (an_input,), (scaled,) = (graph.sites for graph in backend.graphs)
+    assert no_cache.phase == passes.NO_CACHE and not no_cache.rewritten and not no_cache.left_fp16
+    assert no_cache.reason.startswith("reads no KV cache") and no_cache.reason not in caplog.text
+    assert "none" in debug.site_table([no_cache]).splitlines()[1].split()
+    for site in (an_input, scaled):
+        assert site.left_fp16 and "does not come from a cache write" in site.reason and site.reason in caplog.text
+    assert passes.counters["site_without_cache"] == without_before + 1
     assert passes.counters["site_left_fp16"] == left_before + 2
 
 

@@ -106,6 +106,14 @@ def test_types_that_cannot_run_get_a_named_reason():
     assert row["status"] == "cannot run" and "target model" in row["reason"]
 
 
+def test_inklings_attention_over_its_layers_is_no_site_to_rewrite():
+    # Inkling2 attends, per token, over its layers' outputs (a "block attention residual"): no cache holds
+    # them. Its 4 attentions over its KV cache are rewritten; the 8 others read no cache and are counted out.
+    row = check_one("inkling2_text")
+    assert (row["status"], row["sites"]) == ("rewritten", "4/4"), row
+    assert row["reason"] == "8 attentions read no KV cache, left as they are (nothing to store)"
+
+
 def test_unknown_model_type_is_named():
     with pytest.raises(ValueError, match="unknown model type 'llama9'"):
         tiny_config("llama9")
@@ -165,6 +173,11 @@ def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():
     assert site_status([done, refused], 4, 2) == ("partly rewritten", ["K does not come from a cache write"])
     assert site_status([refused], 4, 0) == ("left fp16", ["K does not come from a cache write"])
     assert site_status([], 4, 0)[0] == "no site found"
+    # An attention over no cache (Inkling2's over its layers' outputs) is no site to rewrite.
+    no_cache = SiteReport(2, "model.layers.1.mlp_input", "sdpa", "no cache", False, "reads no KV cache: ...")
+    assert site_status([done, no_cache], 4, 4) == (
+        "rewritten", ["1 attentions read no KV cache, left as they are (nothing to store)"])
+    assert site_status([no_cache], 4, 0)[0] == "no site found"
 
 
 def test_update_replaces_the_rerun_rows_and_names_every_command():
