@@ -1667,16 +1667,10 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
             attn = ATTENTION_FORMS[form][1](node)
             matched.append((index, module, form, attn, site_config, *_match_cache(attn, site_config)))
         except NoMatch as why:
-            if attn is not None and _reads_no_cache(attn, outputs):
-                reason = f"reads no KV cache: K and V descend from nothing kept between forwards ({why})"
-                reports.append(SiteReport(index, module, form, NO_CACHE, False, reason))
-                log.debug("kvpass: site %d (%s, %s) %s", index, module, form, reason)
-                counters["site_without_cache"] += 1
-                continue
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
-            unmatched.append((reports[-1], node))
-            log.debug("kvpass: site %d (%s, %s) left fp16: %s", index, module, form, why)
-            counters["site_left_fp16"] += 1
+            # Read now: rewriting the other sites replaces the attention results the walk stops at.
+            reads_no_cache = attn is not None and _reads_no_cache(attn, outputs)
+            unmatched.append((reports[-1], node, str(why), reads_no_cache))
     # Match every site before rewriting any: a cache write may be read by several of them.
     shared, site_readers = _SharedWrites(), {}
     for *_, k, v in matched:
@@ -1729,7 +1723,19 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, order, query, mask, fills_pads)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
-    _rewrite_latent_caches(graph, config, shared, unmatched)
+    _rewrite_latent_caches(graph, config, shared, [(report, node) for report, node, *_ in unmatched])
+    for report, _, no_match, reads_no_cache in unmatched:
+        if report.rewritten:
+            continue
+        # Last: a site projected from a latent (above) may read only the new tokens its cache stores.
+        if report.reason == no_match and reads_no_cache:
+            report.phase = NO_CACHE
+            report.reason = f"reads no KV cache: K and V descend from nothing kept between forwards ({no_match})"
+            log.debug("kvpass: site %d (%s, %s) %s", report.index, report.module, report.form, report.reason)
+            counters["site_without_cache"] += 1
+        else:
+            log.debug("kvpass: site %d (%s, %s) left fp16: %s", report.index, report.module, report.form, report.reason)
+            counters["site_left_fp16"] += 1
     reports.sort(key=lambda r: r.index)
     graph.lint()
     gm.recompile()
