@@ -400,7 +400,7 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     return {
         **row,
         "status": status,
-        "sites": f"{sum(site.rewritten for site in sites)}/{sum(site.rewritten or site.left_fp16 for site in sites)}",
+        "sites": f"{sum(site.rewritten for site in sites)}/{sum(site.reads_cache for site in sites)}",
         "bytes_ratio": round(_fp16_ratio(packed), 3) if packed else None,
         "logits_error": logits_error,
         "reason": "; ".join(reasons),
@@ -421,15 +421,15 @@ def site_status(sites, n_tensors: int, n_packed: int) -> tuple[str, list[str]]:
     """A model type's status and reasons from the attention sites its graphs held and how many of its
     cache's ``n_tensors`` K/V tensors ended up packed. An attention that reads no KV cache is no site to
     rewrite; the reasons count them."""
-    without_cache = [site for site in sites if not (site.rewritten or site.left_fp16)]
-    sites = [site for site in sites if site.rewritten or site.left_fp16]
+    without_cache = sum(not site.reads_cache for site in sites)
+    sites = [site for site in sites if site.reads_cache]
     rewritten = sum(site.rewritten for site in sites)
     reasons = sorted({site.reason for site in sites if not site.rewritten})
     if n_packed < n_tensors and rewritten == len(sites):
         reasons.append(f"{n_tensors - n_packed} of {n_tensors} cache tensors stayed fp16 with every site seen "
                        "rewritten: their layers ran outside kv4 graphs")  # fmt: skip
     if without_cache:
-        reasons.append(f"{len(without_cache)} attentions read no KV cache, left as they are (nothing to store)")
+        reasons.append(f"{without_cache} attentions read no KV cache, left as they are (nothing to store)")
     if not sites:
         return "no site found", [*reasons, "no SDPA or eager attention found in the graphs"]
     if rewritten == len(sites) and n_packed == n_tensors:

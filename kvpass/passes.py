@@ -107,9 +107,14 @@ class SiteReport:
     reason: str = ""
 
     @property
+    def reads_cache(self) -> bool:
+        """A site to rewrite: an attention over a KV cache, rewritten or not."""
+        return self.phase != NO_CACHE
+
+    @property
     def left_fp16(self) -> bool:
-        """An attention over a KV cache that stays fp16: not rewritten, and not one that reads no cache."""
-        return not self.rewritten and self.phase != NO_CACHE
+        """An attention over a KV cache that stays fp16."""
+        return self.reads_cache and not self.rewritten
 
 
 @dataclasses.dataclass
