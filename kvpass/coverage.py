@@ -577,8 +577,9 @@ def merged(saved: dict, rerun: list[dict], command: str) -> tuple[list[dict], li
     return list(by_type.values()), [*saved["commands"], command]
 
 
-def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
-    """The support matrix page; ``commands`` made its rows, each later one rerunning the types it names."""
+def markdown(rows: list[dict], summary: dict, commands: list[str], notes: str = "") -> str:
+    """The support matrix page; ``commands`` made its rows, each later one rerunning the types it names.
+    ``notes``: paragraphs for the top of the page (what each rerun was for, :func:`page_notes`)."""
     import torch
     import transformers
 
@@ -588,6 +589,7 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
     lines = [
         "# Support matrix",
         "",
+        *([notes, ""] if notes else []),
         f"Made by `{made_by}`{reruns} with torch {torch.__version__} and transformers {transformers.__version__}.",
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
         f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
@@ -617,6 +619,18 @@ def markdown(rows: list[dict], summary: dict, commands: list[str]) -> str:
                  *(r.get("routes", {}).get(route, "") for route in routes), r.get("reason", "")]  # fmt: skip
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def page_notes(page: Path) -> str:
+    """The paragraphs a page written by :func:`markdown` has between its title and "Made by": notes
+    added by hand on what each rerun was for, which an ``--update`` keeps."""
+    if not page.exists():
+        return ""
+    text = page.read_text()
+    title, made_by = "# Support matrix\n", "\nMade by `"
+    if not text.startswith(title) or made_by not in text:
+        return ""
+    return text[len(title) : text.index(made_by)].strip()
 
 
 def add_arguments(parser) -> None:
@@ -681,7 +695,7 @@ def run(args) -> int:
         rows, commands = merged(saved, rows, command)
     rows.sort(key=lambda r: r["model_type"])
     summary = summarize(rows)
-    text = markdown(rows, summary, commands)
+    text = markdown(rows, summary, commands, page_notes(Path(args.output)) if args.update else "")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     if args.json:

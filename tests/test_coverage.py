@@ -1,6 +1,7 @@
 """The support matrix's tiny-config builder: shrunk configs stay consistent (no full matrix run here)."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -202,6 +203,22 @@ def test_update_replaces_the_rerun_rows_and_names_every_command():
     assert sorted(r["model_type"] for r in rows) == ["gpt2", "llama", "longcat_flash"]
     with pytest.raises(ValueError, match="does not name the command"):
         coverage.merged({"rows": saved["rows"]}, rerun, "kvpass coverage longcat_flash --update")
+
+
+def test_update_keeps_the_pages_notes_and_replaces_its_rows(tmp_path, monkeypatch):
+    saved, page = tmp_path / "matrix.json", tmp_path / "matrix.md"
+    rows = [{"model_type": "llama", "status": "left fp16", "sites": "0/2", "reason": "before"}]
+    saved.write_text(json.dumps({"commands": ["kvpass coverage llama"], "rows": rows}))
+    page.write_text(coverage.markdown(rows, coverage.summarize(rows), ["kvpass coverage llama"],
+                                      "**Rerun at `abc1234`**, after a fix.\n\nA second note."))  # fmt: skip
+    rerun = {"model_type": "llama", "status": "rewritten", "sites": "2/2", "bytes_ratio": 0.3, "logits_error": 0.0}
+    monkeypatch.setattr(coverage, "_run_isolated", lambda *args: rerun)
+    monkeypatch.setattr(sys, "argv", ["kvpass", "coverage", "llama", "--update"])
+    cli.main(["coverage", "--update", "--json", str(saved), "--output", str(page), "llama"])
+    text = page.read_text()
+    assert text.startswith("# Support matrix\n\n**Rerun at `abc1234`**, after a fix.\n\nA second note.\n\nMade by `")
+    assert "| llama | rewritten | 2/2 |" in text and "before" not in text
+    assert coverage.page_notes(page) == "**Rerun at `abc1234`**, after a fix.\n\nA second note."
 
 
 def test_update_needs_the_json_it_updates_and_the_types_to_rerun(capsys):
