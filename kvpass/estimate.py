@@ -77,8 +77,9 @@ class KVSizes:
     ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
     most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind,
     ``"full"``, ``"sliding"`` or ``"state"`` (a fixed-size recurrent state), by the index the
-    backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``notes``
-    explain how the figures were derived.
+    backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``latent``: the
+    K and V slots hold an MLA model's latent and rotary key, which kv4 stores with V's settings both.
+    ``notes`` explain how the figures were derived.
     """
 
     layers: int
@@ -90,6 +91,7 @@ class KVSizes:
     name: str = "explicit sizes"
     notes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
+    latent: bool = False
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
@@ -166,6 +168,8 @@ def _kv4_specs(
         k_spec, v_spec = config.k, config.v
     else:
         k_spec, v_spec = (dataclasses.replace(_DEFAULT.k, group=k_group), dataclasses.replace(_DEFAULT.v, group=v_group))
+    if sizes.latent:  # the pass stores a latent cache with V's settings (kvpass/passes.py)
+        k_spec = v_spec
     return k_spec.for_head_dim(sizes.k_head_dim), v_spec.for_head_dim(sizes.v_head_dim)
 
 
@@ -181,6 +185,9 @@ def _kv4_layer_specs(
     k_spec, v_spec = _kv4_specs(sizes, k_group, v_group, kv4_settings)
     kinds = sizes.layer_kinds()
     bits_by_layer = dict(k_layer_bits or {})
+    if bits_by_layer and sizes.latent:
+        raise ValueError(f"k_layer_bits: {sizes.name} caches an MLA latent, which kv4 stores with V's settings in "
+                         "every layer; K's bits per layer do not apply")  # fmt: skip
     for layer, bits in bits_by_layer.items():
         if type(layer) is not int or not 0 <= layer < len(kinds) or kinds[layer] == "state":
             kv_layers = [i for i, kind in enumerate(kinds) if kind != "state"]
@@ -389,7 +396,7 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         v_dim = _require(cfg, "MLA rotary key dim", "qk_rope_head_dim")
         notes.append(
             f"MLA: the cache holds the {k_dim}-dim latent (K slot) and the {v_dim}-dim "
-            f"rotary key (V slot) once per layer, not per head ({heads} query heads)"
+            f"rotary key (V slot) once per layer, not per head ({heads} query heads); kv4 stores both with V's settings"
         )
     else:
         kv_heads = _kv_heads(cfg, heads)
@@ -419,6 +426,7 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         name=name,
         notes=tuple(notes),
         kinds=kinds,
+        latent=_get(cfg, "kv_lora_rank") is not None,
     )
 
 

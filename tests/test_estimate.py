@@ -506,6 +506,29 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
         assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
 
+def test_kv4_estimate_is_what_an_mla_model_stores():
+    # DeepSeek-V3 as kvpass coverage shrinks it: the pass stores its latent and rotary key with V's
+    # settings, so neither gets K's sinks, offset or query scales (the estimate had costed them: 9,088 B).
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpass
+    from kvpass.coverage import tiny_config
+    from tests.helpers import packed_and_fp16_bytes
+
+    config = tiny_config("deepseek_v3")
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=kvpass.kv4())
+    ids = torch.randint(3, 200, (2, 70))
+    with torch.no_grad():
+        out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    stored, _ = packed_and_fp16_bytes(out.past_key_values)
+    assert stored == kv_cache_bytes(config, "kv4", 70, batch=2)
+    with pytest.raises(ValueError, match="deepseek_v3 caches an MLA latent, which kv4 stores with V's settings"):
+        kv_cache_bytes(config, "kv4", 70, k_layer_bits={0: 8})
+
+
 def test_run_costs_int8_keys_in_the_layers_named(capsys):
     args = parse(["--model", "gemma3", "--context", "70", "4096", "--k-layer-bits", "1:8"])
     assert estimate.run(args) == 0
