@@ -79,7 +79,8 @@ class KVSizes:
     ``"full"``, ``"sliding"`` or ``"state"`` (a fixed-size recurrent state), by the index the
     backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``latent``: the
     K and V slots hold an MLA model's latent and rotary key, which kv4 stores with V's settings both.
-    ``notes`` explain how the figures were derived.
+    ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
+    from the full layers' (Gemma 4, MiMo-V2-Flash). ``notes`` explain how the figures were derived.
     """
 
     layers: int
@@ -92,10 +93,13 @@ class KVSizes:
     notes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
     latent: bool = False
+    sliding_shape: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
             _check_positive_int(field, getattr(self, field))
+        for value in self.sliding_shape or ():
+            _check_positive_int("sliding_shape", value)
         if not isinstance(self.sliding_layers, int) or not 0 <= self.sliding_layers <= self.layers:
             raise ValueError(
                 f"sliding_layers must be an int in [0, layers={self.layers}], "
@@ -109,6 +113,12 @@ class KVSizes:
                 f"kinds {self.kinds!r} do not hold {self.layers} KV layers, {self.sliding_layers} sliding"
             )
 
+    def shape(self, kind: str) -> tuple[int, int, int]:
+        """``(KV heads, K head dim, V head dim)`` of a layer of this kind."""
+        if kind == "sliding" and self.sliding_shape:
+            return self.sliding_shape
+        return self.kv_heads, self.k_head_dim, self.v_head_dim
+
     def layer_kinds(self) -> tuple[str, ...]:
         """Every decoder layer's kind (:attr:`kinds`, or the full layers then the sliding ones)."""
         return self.kinds or ("full",) * (self.layers - self.sliding_layers) + ("sliding",) * self.sliding_layers
@@ -118,11 +128,6 @@ class KVSizes:
         ``DynamicSlidingWindowLayer`` keeps the newest ``window - 1`` between steps (the next
         token makes ``window``)."""
         return min(context, self.window - 1) if self.sliding_layers else 0
-
-    def tokens_held(self, context: int) -> int:
-        """Layer-tokens the cache holds for one sequence of ``context`` tokens."""
-        full = self.layers - self.sliding_layers
-        return full * context + self.sliding_layers * self.sliding_held(context)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -142,21 +147,19 @@ def element_bits(
     _check_format(fmt)
     if fmt != "kv4":
         return float(_FIXED_BITS[fmt]), float(_FIXED_BITS[fmt])
-    return _spec_bits(sizes, *_kv4_specs(sizes, k_group, v_group, kv4_settings))
+    return _spec_bits(sizes.shape("full"), *_kv4_specs(sizes, k_group, v_group, kv4_settings))
 
 
-def _spec_bits(sizes: KVSizes, k_spec: QuantSpec, v_spec: QuantSpec) -> tuple[float, float]:
-    return tuple(
-        reference.bits_per_value(spec, sizes.kv_heads, dim)
-        for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
-    )
+def _spec_bits(shape: tuple[int, int, int], k_spec: QuantSpec, v_spec: QuantSpec) -> tuple[float, float]:
+    heads, k_dim, v_dim = shape
+    return tuple(reference.bits_per_value(spec, heads, dim) for spec, dim in ((k_spec, k_dim), (v_spec, v_dim)))
 
 
 def _kv4_specs(
-    sizes: KVSizes, k_group: int, v_group: int, kv4_settings: dict | None = None
+    sizes: KVSizes, k_group: int, v_group: int, kv4_settings: dict | None = None, kind: str = "full"
 ) -> tuple[QuantSpec, QuantSpec]:
     """The K and V specs of ``kvpass.kv4(k_group=..., v_group=..., **kv4_settings)`` (the defaults
-    with these groups when there are no other settings), as kv4 stores heads of these sizes."""
+    with these groups when there are no other settings), as kv4 stores a ``kind`` layer's heads."""
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
     if kv4_settings:  # the backend's own defaults and checks
@@ -170,11 +173,13 @@ def _kv4_specs(
         k_spec, v_spec = (dataclasses.replace(_DEFAULT.k, group=k_group), dataclasses.replace(_DEFAULT.v, group=v_group))
     if sizes.latent:  # the pass stores a latent cache with V's settings (kvpass/passes.py)
         k_spec = v_spec
-    return k_spec.for_head_dim(sizes.k_head_dim), v_spec.for_head_dim(sizes.v_head_dim)
+    _, k_dim, v_dim = sizes.shape(kind)
+    return k_spec.for_head_dim(k_dim), v_spec.for_head_dim(v_dim)
 
 
-def _layer_token_bytes(sizes: KVSizes, k_bits: float, v_bits: float) -> float:
-    return sizes.kv_heads * (sizes.k_head_dim * k_bits + sizes.v_head_dim * v_bits) / 8
+def _layer_token_bytes(shape: tuple[int, int, int], k_bits: float, v_bits: float) -> float:
+    heads, k_dim, v_dim = shape
+    return heads * (k_dim * k_bits + v_dim * v_bits) / 8
 
 
 def _kv4_layer_specs(
@@ -182,8 +187,8 @@ def _kv4_layer_specs(
 ) -> list[tuple[str, QuantSpec, QuantSpec]]:
     """``(kind, K spec, V spec)`` of every KV layer as kv4 stores it, K's bits overridden in the
     layers ``k_layer_bits`` names (as ``kvpass.kv4(k_layer_bits=...)`` does)."""
-    k_spec, v_spec = _kv4_specs(sizes, k_group, v_group, kv4_settings)
     kinds = sizes.layer_kinds()
+    specs = {kind: _kv4_specs(sizes, k_group, v_group, kv4_settings, kind) for kind in set(kinds) - {"state"}}
     bits_by_layer = dict(k_layer_bits or {})
     if bits_by_layer and sizes.latent:
         raise ValueError(f"k_layer_bits: {sizes.name} caches an MLA latent, which kv4 stores with V's settings in "
@@ -194,10 +199,10 @@ def _kv4_layer_specs(
             raise ValueError(f"k_layer_bits: {layer!r} is not the index of a KV layer of {sizes.name}; "
                              f"those are {_ranges(kv_layers)}")  # fmt: skip
         try:
-            bits_by_layer[layer] = dataclasses.replace(k_spec, bits=bits)
+            bits_by_layer[layer] = dataclasses.replace(specs[kinds[layer]][0], bits=bits)
         except ValueError as why:
             raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
-    return [(kind, bits_by_layer.get(i, k_spec), v_spec) for i, kind in enumerate(kinds) if kind != "state"]
+    return [(kind, bits_by_layer.get(i, specs[kind][0]), specs[kind][1]) for i, kind in enumerate(kinds) if kind != "state"]
 
 
 def _ranges(indices: list[int]) -> str:
@@ -246,10 +251,11 @@ def kv_bytes_per_token(
     sizes = kv_sizes(source)
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     if fmt != "kv4":
-        return sizes.layers * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
+        bits = element_bits(fmt, sizes)
+        return sum(_layer_token_bytes(sizes.shape(kind), *bits) for kind in sizes.layer_kinds() if kind != "state")
     return sum(
-        _layer_token_bytes(sizes, *_spec_bits(sizes, k_spec, v_spec))
-        for _, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
+        _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec))
+        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
     )
 
 
@@ -276,13 +282,15 @@ def kv_cache_bytes(
     _check_positive_int("batch", batch)
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     sizes = kv_sizes(source)
-    if fmt != "kv4":
-        return batch * sizes.tokens_held(context) * _layer_token_bytes(sizes, *element_bits(fmt, sizes))
     held = {"full": context, "sliding": sizes.sliding_held(context)}
+    if fmt != "kv4":
+        bits = element_bits(fmt, sizes)
+        kinds = [kind for kind in sizes.layer_kinds() if kind != "state"]
+        return batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits) for kind in kinds)
     return batch * sum(
-        _kv4_spec_bytes(spec, sizes.kv_heads, dim, context, held[kind])
+        _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
-        for spec, dim in ((k_spec, sizes.k_head_dim), (v_spec, sizes.v_head_dim))
+        for spec, dim in zip((k_spec, v_spec), sizes.shape(kind)[1:])
     )
 
 
@@ -398,24 +406,18 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
             f"MLA: the cache holds the {k_dim}-dim latent (K slot) and the {v_dim}-dim "
             f"rotary key (V slot) once per layer, not per head ({heads} query heads); kv4 stores both with V's settings"
         )
-    else:
-        kv_heads = _kv_heads(cfg, heads)
-        head_dim = _get(cfg, "head_dim")
-        if head_dim is None:
-            hidden = _require(cfg, "hidden size", "hidden_size", "n_embd", "d_model")
-            if hidden % heads:
-                raise ValueError(
-                    f"hidden size {hidden} is not divisible by {heads} heads; set head_dim"
-                )
-            head_dim = hidden // heads
-        _check_positive_int("head_dim", head_dim)
-        k_dim = v_dim = head_dim
+    kinds, window = _layer_layout(cfg, layers, notes)
+    sliding_shape = None
+    if _get(cfg, "kv_lora_rank") is None:
+        shapes = _shapes_by_kind(cfg, heads, kinds)
+        kv_heads, k_dim, v_dim = shapes.get("full", shapes.get("sliding"))
+        if shapes.get("sliding", (kv_heads, k_dim, v_dim)) != (kv_heads, k_dim, v_dim):
+            sliding_shape = shapes["sliding"]
+            notes.append("sliding layers: {} KV heads, K dim {}, V dim {}".format(*sliding_shape))
         if kv_heads == 1 and heads > 1:
             notes.append(f"MQA: 1 KV head shared by {heads} query heads")
         elif kv_heads < heads:
             notes.append(f"GQA: {kv_heads} KV heads for {heads} query heads")
-
-    kinds, window = _layer_layout(cfg, layers, notes)
     return KVSizes(
         layers=len(kinds) - kinds.count("state"),
         kv_heads=kv_heads,
@@ -427,7 +429,48 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         notes=tuple(notes),
         kinds=kinds,
         latent=_get(cfg, "kv_lora_rank") is not None,
+        sliding_shape=sliding_shape,
     )
+
+
+def _shapes_by_kind(cfg: Any, heads: int, kinds: tuple[str, ...]) -> dict[str, tuple[int, int, int]]:
+    """``{kind: (KV heads, K head dim, V head dim)}`` of the attention layers. A config whose layers
+    differ declares them per layer (``per_layer_config``; Gemma 4's full layers have wider heads, and
+    its global ``head_dim`` raises); sliding layers may have their own ``swa_*`` sizes (Inkling)."""
+    per_layer = getattr(cfg, "per_layer_config", None)
+    try:
+        shapes = {kind: {_attention_shape(cfg, heads)} for kind in kinds}
+    except Exception as err:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, by name
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError" or per_layer is None:
+            raise
+        shapes = {}
+        for layer, kind in zip(per_layer, kinds):
+            shapes.setdefault(kind, set()).add(_attention_shape(layer, heads))
+    shapes.pop("state", None)
+    mixed = {kind: sorted(found) for kind, found in shapes.items() if len(found) > 1}
+    if mixed:
+        raise ValueError(f"layers of one kind have different head sizes in this config, {mixed}; give explicit sizes")
+    by_kind = {kind: found.pop() for kind, found in shapes.items()}
+    if "sliding" in by_kind and _get(cfg, "swa_num_key_value_heads", "swa_head_dim") is not None:
+        kv_heads, k_dim, v_dim = by_kind["sliding"]
+        k_dim = _get(cfg, "swa_head_dim") or k_dim
+        by_kind["sliding"] = (_get(cfg, "swa_num_key_value_heads") or kv_heads, k_dim, _get(cfg, "swa_v_head_dim") or k_dim)
+    return by_kind
+
+
+def _attention_shape(cfg: Any, heads: int) -> tuple[int, int, int]:
+    """``(KV heads, K head dim, V head dim)`` of a config's attention, or of one layer's."""
+    kv_heads = _kv_heads(cfg, heads)
+    head_dim = _get(cfg, "head_dim")
+    if head_dim is None:
+        hidden = _require(cfg, "hidden size", "hidden_size", "n_embd", "d_model")
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads; set head_dim")
+        head_dim = hidden // heads
+    _check_positive_int("head_dim", head_dim)
+    v_dim = _get(cfg, "v_head_dim") or head_dim  # MiMo-V2-Flash: K 192, V 128
+    _check_positive_int("v_head_dim", v_dim)
+    return kv_heads, head_dim, v_dim
 
 
 def _kv_heads(cfg: Any, heads: int) -> int:

@@ -320,6 +320,15 @@ def test_unknown_model_type_read_field_by_field(tmp_path):
     assert kv_bytes_per_token(write_config(tmp_path, cfg), "fp16") == 4 * 2 * 64 * 4
 
 
+def test_v_head_dim_is_vs_width(tmp_path):
+    # MiMo-V2-Flash's config: K heads of 192 channels, V heads of 128 (it had counted 192 for both).
+    cfg = {"model_type": "not_in_transformers", "num_hidden_layers": 2, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128}  # fmt: skip
+    sizes = kv_sizes(write_config(tmp_path, cfg))
+    assert (sizes.k_head_dim, sizes.v_head_dim) == (192, 128)
+    assert kv_bytes_per_token(sizes, "fp16") == 2 * 4 * (192 + 128) * 2
+
+
 def test_multimodal_config_uses_text_config(tmp_path):
     gemma3_4b = {
         "model_type": "gemma3",
@@ -506,9 +515,12 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
         assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
 
-def test_kv4_estimate_is_what_an_mla_model_stores():
-    # DeepSeek-V3 as kvpass coverage shrinks it: the pass stores its latent and rotary key with V's
-    # settings, so neither gets K's sinks, offset or query scales (the estimate had costed them: 9,088 B).
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "inkling_text"])
+def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
+    # As kvpass coverage shrinks them. deepseek_v3: the pass stores its MLA latent and rotary key with V's
+    # settings (the estimate had costed K's sinks, offset and query scales: 9,088 B for 8,416). gemma4_text:
+    # full layers of 512 channels a head, sliding ones of 32, and no global head_dim (the estimate raised).
+    # inkling_text: sliding layers of 1 KV head against 2 (swa_num_key_value_heads; it had counted 2).
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -516,17 +528,22 @@ def test_kv4_estimate_is_what_an_mla_model_stores():
     from kvpass.coverage import tiny_config
     from tests.helpers import packed_and_fp16_bytes
 
-    config = tiny_config("deepseek_v3")
+    config = tiny_config(model_type)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     torch._dynamo.reset()
     step = torch.compile(model, backend=kvpass.kv4())
     ids = torch.randint(3, 200, (2, 70))
     with torch.no_grad():
         out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    stored, _ = packed_and_fp16_bytes(out.past_key_values)
-    assert stored == kv_cache_bytes(config, "kv4", 70, batch=2)
+    stored, fp16 = packed_and_fp16_bytes(out.past_key_values)
+    assert (stored, fp16) == (kv_cache_bytes(config, "kv4", 70, batch=2), kv_cache_bytes(config, "fp16", 70, batch=2))
+
+
+def test_k_layer_bits_are_refused_for_an_mla_latent():
+    from kvpass.coverage import tiny_config
+
     with pytest.raises(ValueError, match="deepseek_v3 caches an MLA latent, which kv4 stores with V's settings"):
-        kv_cache_bytes(config, "kv4", 70, k_layer_bits={0: 8})
+        kv_cache_bytes(tiny_config("deepseek_v3"), "kv4", 70, k_layer_bits={0: 8})
 
 
 def test_run_costs_int8_keys_in_the_layers_named(capsys):
