@@ -80,7 +80,7 @@ class KVSizes:
     backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``latent``: the
     K and V slots hold an MLA model's latent and rotary key, which kv4 stores with V's settings both.
     ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
-    from the full layers' (Gemma 4, MiMo-V2-Flash). ``notes`` explain how the figures were derived.
+    from the full layers' (Gemma 4, Inkling). ``notes`` explain how the figures were derived.
     """
 
     layers: int
