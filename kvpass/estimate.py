@@ -80,7 +80,8 @@ class KVSizes:
     backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``latent``: the
     K and V slots hold an MLA model's latent and rotary key, which kv4 stores with V's settings both.
     ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
-    from the full layers' (Gemma 4, Inkling). ``notes`` explain how the figures were derived.
+    from the full layers' (Gemma 4, Inkling, MiMo-V2-Flash). ``notes`` explain how the figures were
+    derived.
     """
 
     layers: int
@@ -202,7 +203,8 @@ def _kv4_layer_specs(
             bits_by_layer[layer] = dataclasses.replace(specs[kinds[layer]][0], bits=bits)
         except ValueError as why:
             raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
-    return [(kind, bits_by_layer.get(i, specs[kind][0]), specs[kind][1]) for i, kind in enumerate(kinds) if kind != "state"]
+    return [(kind, bits_by_layer.get(i, specs[kind][0]), specs[kind][1])
+            for i, kind in enumerate(kinds) if kind != "state"]  # fmt: skip
 
 
 def _ranges(indices: list[int]) -> str:
@@ -451,10 +453,15 @@ def _shapes_by_kind(cfg: Any, heads: int, kinds: tuple[str, ...]) -> dict[str, t
     if mixed:
         raise ValueError(f"layers of one kind have different head sizes in this config, {mixed}; give explicit sizes")
     by_kind = {kind: found.pop() for kind, found in shapes.items()}
+    if "sliding" in by_kind and getattr(cfg, "model_type", None) == "mimo_v2_flash":
+        # Its modeling code, not its config, doubles the sliding layers' KV heads.
+        kv_heads, k_dim, v_dim = by_kind["sliding"]
+        by_kind["sliding"] = (2 * kv_heads, k_dim, v_dim)
     if "sliding" in by_kind and _get(cfg, "swa_num_key_value_heads", "swa_head_dim") is not None:
         kv_heads, k_dim, v_dim = by_kind["sliding"]
         k_dim = _get(cfg, "swa_head_dim") or k_dim
-        by_kind["sliding"] = (_get(cfg, "swa_num_key_value_heads") or kv_heads, k_dim, _get(cfg, "swa_v_head_dim") or k_dim)
+        kv_heads = _get(cfg, "swa_num_key_value_heads") or kv_heads
+        by_kind["sliding"] = (kv_heads, k_dim, _get(cfg, "swa_v_head_dim") or k_dim)
     return by_kind
 
 

@@ -515,12 +515,13 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
         assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "inkling_text"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gemma4_text", "inkling_text", "mimo_v2_flash"])
 def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     # As kvpass coverage shrinks them. deepseek_v3: the pass stores its MLA latent and rotary key with V's
     # settings (the estimate had costed K's sinks, offset and query scales: 9,088 B for 8,416). gemma4_text:
     # full layers of 512 channels a head, sliding ones of 32, and no global head_dim (the estimate raised).
     # inkling_text: sliding layers of 1 KV head against 2 (swa_num_key_value_heads; it had counted 2).
+    # mimo_v2_flash: sliding layers of twice the KV heads, which its modeling code doubles, not its config.
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
