@@ -328,7 +328,7 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     others = [n for n in root.users
               if n is not site_reader and n.op != "output" and n not in evictions and not _reads_only_shape(n)]  # fmt: skip
     for node in others:
-        if node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_")):
+        if _writes_in_place(node):
             raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
     if _is_empty_tensor_ctor(past):
         return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra, heads=_selected_heads(chain))
@@ -348,6 +348,12 @@ def _is_sequence_cat(node) -> bool:
 def _is_stored(write: fx.Node) -> bool:
     """The cache object keeps it: returned by the graph, whole or as a window's eviction slice."""
     return any(n.op == "output" or _is_stored_sequence_slice(n) for n in write.users)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """``x[i] = y`` or an in-place method (``x.copy_(y)``, ``x.index_copy_(...)``): it writes into ``x``,
+    its first argument."""
+    return node.target is operator.setitem or (node.op == "call_method" and node.target.endswith("_"))
 
 
 def _is_buffer_ctor(node: fx.Node) -> bool:
@@ -1621,38 +1627,33 @@ def _kept_between_forwards(node: fx.Node) -> bool:
         return False
     if node.op in ("placeholder", "get_attr"):
         return not isinstance(val, torch.nn.Parameter)
-    for user in node.users:
-        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-        if user.op == "output" or (name.endswith("_") and not name.startswith("_") and user.args[:1] == (node,)):
-            return True
-    return False
+    return any(user.op == "output" or (_writes_in_place(user) and user.args[:1] == (node,)) for user in node.users)
 
 
 def _reads_no_cache(attn: _Attention, outputs: set) -> bool:
     """Whether K and V descend from nothing a cache could hold, short of other attentions' results
     (``outputs``), which read their own caches: an attention over values of this forward alone, such
     as Inkling2's over its layers' outputs, where a cache write is not missed but absent."""
-    seen, todo = set(), [attn.key, attn.value]
-    while todo:
-        node = todo.pop()
-        if not isinstance(node, fx.Node) or node in seen or node in outputs:
-            continue
-        if _kept_between_forwards(node):
-            return False
-        seen.add(node)
-        todo.extend(node.all_input_nodes)
-    return True
+    starts = [n for n in (attn.key, attn.value) if isinstance(n, fx.Node)]
+    return not _upstream(starts, _kept_between_forwards, stop=outputs)
 
 
 def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
-    seen, todo = set(), [node]
-    while todo and len(seen) < limit:
-        for arg in todo.pop().all_input_nodes:
-            if arg in targets:
-                return True
-            if arg not in seen:
-                seen.add(arg)
-                todo.append(arg)
+    return _upstream(node.all_input_nodes, targets.__contains__, limit=limit)
+
+
+def _upstream(starts: list[fx.Node], found, stop: set = frozenset(), limit: int | None = None) -> bool:
+    """Whether ``found(n)`` holds for a node among ``starts`` or their inputs, transitively, not
+    walking into ``stop`` and giving up after ``limit`` nodes."""
+    seen, todo = set(), list(starts)
+    while todo and (limit is None or len(seen) < limit):
+        node = todo.pop()
+        if node in seen or node in stop:
+            continue
+        if found(node):
+            return True
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
     return False
 
 
