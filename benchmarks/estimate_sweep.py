@@ -1,0 +1,94 @@
+"""``kvpass estimate`` against the bytes a kv4-compiled model stores, for every type ``kvpass coverage``
+rewrites (``docs/coverage.json``), or those named.
+
+Each type, shrunk as ``kvpass coverage`` shrinks it and cast to bf16, is compiled with kv4 and given a
+70-token prompt at batch 2 in a subprocess of its own; a row compares the cache's stored kv4 bytes and
+their fp16 size with :func:`kvpass.estimate.kv_cache_bytes` for the same config, context and batch.
+A type this plain forward cannot drive (a model that wants other inputs, or returns its cache elsewhere)
+is a row with the error.
+
+    python benchmarks/estimate_sweep.py [TYPE ...] [--jobs 2] [--timeout 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPT, BATCH = 70, 2
+
+
+def measure(model_type: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpass
+    from kvpass.coverage import tiny_config
+    from kvpass.estimate import kv_cache_bytes
+    from kvpass.packed import PackedKV
+
+    config = tiny_config(model_type)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    step = torch.compile(model, backend=kvpass.kv4())
+    vocab = min(config.get_text_config(decoder=True).vocab_size or 256, 256)
+    ids = torch.randint(3, vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D.
+    tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor) and t.dim() == 4]  # fmt: skip
+    if not all(isinstance(t, PackedKV) for t in tensors):
+        raise TypeError(f"the cache holds {sorted({type(t).__name__ for t in tensors})}, not only PackedKV")
+    return {
+        "stored": sum(t.stored_bytes() for t in tensors),
+        "estimate": kv_cache_bytes(config, "kv4", PROMPT, BATCH),
+        "fp16": sum(t.numel() * 2 for t in tensors),
+        "fp16 estimate": kv_cache_bytes(config, "fp16", PROMPT, BATCH),
+    }
+
+
+def row(model_type: str, timeout: float) -> str:
+    try:
+        out = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+                             timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"| {model_type} | over {timeout:g} s |"
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return f"| {model_type} | {(out.stderr.strip().splitlines() or ['no output'])[-1][:150]} |"
+    found = json.loads(lines[-1])
+    if "error" in found:
+        return f"| {model_type} | {found['error']} |"
+    same = found["stored"] == found["estimate"] and found["fp16"] == found["fp16 estimate"]
+    cells = [found[k] for k in ("stored", "estimate", "fp16", "fp16 estimate")]
+    return f"| {model_type} | " + " | ".join(f"{c:,.0f}" for c in cells) + f" | {'yes' if same else 'no'} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("types", nargs="*", help="model types (default: every one docs/coverage.json rewrites)")
+    parser.add_argument("--jobs", type=int, default=2, help="subprocesses at once")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds a type")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's type
+    args = parser.parse_args()
+    if args.one:
+        try:
+            print(json.dumps(measure(args.one)))
+        except Exception as err:  # noqa: BLE001 - the row's finding
+            print(json.dumps({"error": f"{type(err).__name__}: {str(err).splitlines()[0][:150] if str(err) else ''}"}))
+        return
+    matrix = json.loads((Path(__file__).parents[1] / "docs" / "coverage.json").read_text())
+    types = args.types or [r["model_type"] for r in matrix["rows"] if r["status"] == "rewritten"]
+    print("| model type | kv4 stored | kv4 estimate | fp16 | fp16 estimate | the same |\n|---|---|---|---|---|---|")
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for line in pool.map(lambda t: row(t, args.timeout), types):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
