@@ -68,6 +68,8 @@ _SLIDING_TYPES = {"sliding_attention", "sliding", "local", "local_attention", "h
 _CHUNKED_TYPES = {"chunked_attention"}
 _STATE_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent", "rwkv"}
 _NO_CACHE_TYPES = {"moe", "mlp", "dummy"}
+# The kinds of layer (`KVSizes.kinds`) that hold a KV cache of their own.
+_KV_KINDS = ("full", "sliding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +78,10 @@ class KVSizes:
 
     ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
     most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind,
-    ``"full"``, ``"sliding"`` or ``"state"`` (a fixed-size recurrent state), by the index the
-    backend's ``k_layer_bits`` names it with; left empty, the full layers come first. ``latent``: the
-    K and V slots hold an MLA model's latent and rotary key, which kv4 stores with V's settings both.
+    ``"full"``, ``"sliding"``, ``"state"`` (a fixed-size recurrent state) or ``"shared"`` (it reads an
+    earlier layer's K/V and holds none), by the index the backend's ``k_layer_bits`` names it with;
+    left empty, the full layers come first. ``latent``: the K and V slots hold an MLA model's latent
+    and rotary key, which kv4 stores with V's settings both.
     ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
     from the full layers' (Gemma 4, Inkling, MiMo-V2-Flash). ``notes`` explain how the figures were
     derived.
@@ -189,14 +192,14 @@ def _kv4_layer_specs(
     """``(kind, K spec, V spec)`` of every KV layer as kv4 stores it, K's bits overridden in the
     layers ``k_layer_bits`` names (as ``kvpass.kv4(k_layer_bits=...)`` does)."""
     kinds = sizes.layer_kinds()
-    specs = {kind: _kv4_specs(sizes, k_group, v_group, kv4_settings, kind) for kind in set(kinds) - {"state"}}
+    specs = {kind: _kv4_specs(sizes, k_group, v_group, kv4_settings, kind) for kind in set(kinds) & set(_KV_KINDS)}
     bits_by_layer = dict(k_layer_bits or {})
     if bits_by_layer and sizes.latent:
         raise ValueError(f"k_layer_bits: {sizes.name} caches an MLA latent, which kv4 stores with V's settings in "
                          "every layer; K's bits per layer do not apply")  # fmt: skip
     for layer, bits in bits_by_layer.items():
-        if type(layer) is not int or not 0 <= layer < len(kinds) or kinds[layer] == "state":
-            kv_layers = [i for i, kind in enumerate(kinds) if kind != "state"]
+        if type(layer) is not int or not 0 <= layer < len(kinds) or kinds[layer] not in _KV_KINDS:
+            kv_layers = [i for i, kind in enumerate(kinds) if kind in _KV_KINDS]
             raise ValueError(f"k_layer_bits: {layer!r} is not the index of a KV layer of {sizes.name}; "
                              f"those are {_ranges(kv_layers)}")  # fmt: skip
         try:
@@ -204,7 +207,7 @@ def _kv4_layer_specs(
         except ValueError as why:
             raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
     return [(kind, bits_by_layer.get(i, specs[kind][0]), specs[kind][1])
-            for i, kind in enumerate(kinds) if kind != "state"]  # fmt: skip
+            for i, kind in enumerate(kinds) if kind in _KV_KINDS]  # fmt: skip
 
 
 def _ranges(indices: list[int]) -> str:
@@ -254,7 +257,7 @@ def kv_bytes_per_token(
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        return sum(_layer_token_bytes(sizes.shape(kind), *bits) for kind in sizes.layer_kinds() if kind != "state")
+        return sum(_layer_token_bytes(sizes.shape(kind), *bits) for kind in sizes.layer_kinds() if kind in _KV_KINDS)
     return sum(
         _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec))
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
@@ -287,7 +290,7 @@ def kv_cache_bytes(
     held = {"full": context, "sliding": sizes.sliding_held(context)}
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        kinds = [kind for kind in sizes.layer_kinds() if kind != "state"]
+        kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
         return batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits) for kind in kinds)
     return batch * sum(
         _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
@@ -421,7 +424,7 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         elif kv_heads < heads:
             notes.append(f"GQA: {kv_heads} KV heads for {heads} query heads")
     return KVSizes(
-        layers=len(kinds) - kinds.count("state"),
+        layers=sum(kind in _KV_KINDS for kind in kinds),
         kv_heads=kv_heads,
         k_head_dim=k_dim,
         v_head_dim=v_dim,
@@ -448,7 +451,7 @@ def _shapes_by_kind(cfg: Any, heads: int, kinds: tuple[str, ...]) -> dict[str, t
         shapes = {}
         for layer, kind in zip(per_layer, kinds):
             shapes.setdefault(kind, set()).add(_attention_shape(layer, heads))
-    shapes.pop("state", None)
+    shapes = {kind: found for kind, found in shapes.items() if kind in _KV_KINDS}
     mixed = {kind: sorted(found) for kind, found in shapes.items() if len(found) > 1}
     if mixed:
         raise ValueError(f"layers of one kind have different head sizes in this config, {mixed}; give explicit sizes")
@@ -535,12 +538,15 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             f"{sliding} sliding layers have no sliding_window in the config; counted as full"
         )
         kinds, sliding = ["full" if kind == "sliding" else kind for kind in kinds], 0
+    shared = _kv_shared_layers(cfg, layers)
+    if shared:
+        kinds = ["shared" if i in shared else kind for i, kind in enumerate(kinds)]
+        sliding = kinds.count("sliding")
+        notes.append(f"KV sharing: layers {_ranges(shared)} read earlier layers' caches and hold none of their own")
     full = kinds.count("full")
     if full + sliding == 0:
-        raise ValueError(
-            f"config has no attention layers (layer types: {sorted(set(types))}); "
-            "nothing to estimate"
-        )
+        why = "every layer reads K/V another model shares" if shared else f"layer types: {sorted(set(types))}"
+        raise ValueError(f"config has no layer that holds a KV cache ({why}); nothing to estimate")
     if state:
         others = ", ".join(f"{n} {k}" for k, n in state.items())
         notes.append(
@@ -553,6 +559,16 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             f"they stop growing at {window - 1} tokens (the window less the next token)"
         )
     return tuple(kinds), (window if sliding else None)
+
+
+def _kv_shared_layers(cfg: Any, layers: int) -> list[int]:
+    """Layers that read an earlier layer's K/V (transformers' ``kv_sharing_modes``, "reuse"; Gemma 3n and
+    Gemma 4 share the last ``num_kv_shared_layers``): the cache keeps them no K/V of their own."""
+    modes = getattr(cfg, "kv_sharing_modes", None)
+    if modes is None:
+        shared = _get(cfg, "num_kv_shared_layers") or 0
+        return list(range(layers - shared, layers))
+    return [i for i, mode in enumerate(modes) if str(mode).startswith("reuse")]
 
 
 # ----------------------------------------------------------------------------- table

@@ -46,6 +46,18 @@ def sliding_mistral(window=100):
     return model.eval()
 
 
+def kv_sharing_gemma3n_config():
+    """A tiny Gemma 3n whose layers 2 and 3 read the K/V of layers 0 and 1 (sliding, full) and cache none."""
+    from kvpass.coverage import tiny_config
+
+    config = tiny_config("gemma3n_text")
+    config.num_hidden_layers, config.num_kv_shared_layers = 4, 2
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.intermediate_size = config.intermediate_size[:1] * 4
+    config.activation_sparsity_pattern = config.activation_sparsity_pattern[:1] * 4
+    return config
+
+
 def cache_tensors(cache):
     """Every attention layer's K and V (a hybrid cache's recurrent layers hold neither)."""
     for layer in cache.layers:
@@ -54,10 +66,14 @@ def cache_tensors(cache):
             yield layer.values
 
 
-def packed_and_fp16_bytes(cache):
-    """Bytes the cache stores, and what the same logical tensors take in fp16."""
+def packed_and_fp16_bytes(cache, unwritten=()):
+    """Bytes the cache stores, and what the same logical tensors take in fp16. The layers ``unwritten``
+    names must hold nothing (they read other layers' K/V)."""
+    assert [i for i, layer in enumerate(cache.layers) if getattr(layer, "keys", 0) is None] == list(unwritten)
     stored = fp16 = 0
     for t in cache_tensors(cache):
+        if t is None:
+            continue
         assert isinstance(t, PackedKV), f"cache holds a {type(t).__name__}, not PackedKV"
         stored += t.stored_bytes()
         fp16 += t.numel() * 2

@@ -474,7 +474,7 @@ def test_bad_config_files(tmp_path):
     ssm_only = write_config(
         tmp_path, {**MHA_7B, "model_type": "x", "layer_types": ["mamba"] * 32}, "ssm"
     )
-    with pytest.raises(ValueError, match="no attention layers.*mamba"):
+    with pytest.raises(ValueError, match=r"no layer that holds a KV cache \(layer types: \[.mamba.\]\)"):
         kv_sizes(ssm_only)
 
 
@@ -538,6 +538,39 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
         out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
     stored, fp16 = packed_and_fp16_bytes(out.past_key_values)
     assert (stored, fp16) == (kv_cache_bytes(config, "kv4", 70, batch=2), kv_cache_bytes(config, "fp16", 70, batch=2))
+
+
+def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
+    # Gemma 3n and Gemma 4 share the last num_kv_shared_layers' K/V; the estimate had costed them
+    # as layers of their own (twice what this model stores).
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpass
+    from tests.helpers import kv_sharing_gemma3n_config, packed_and_fp16_bytes
+
+    config = kv_sharing_gemma3n_config()
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=kvpass.kv4())
+    with torch.no_grad():
+        out = step(input_ids=torch.randint(3, 200, (2, 70)), past_key_values=DynamicCache(config=config), use_cache=True)
+    stored, fp16 = packed_and_fp16_bytes(out.past_key_values, unwritten=[2, 3])
+    assert (stored, fp16) == (kv_cache_bytes(config, "kv4", 70, batch=2), kv_cache_bytes(config, "fp16", 70, batch=2))
+    sizes = kv_sizes(config)
+    assert (sizes.layers, sizes.kinds) == (2, ("sliding", "full", "shared", "shared"))
+    assert "KV sharing: layers 2-3 read earlier layers' caches and hold none of their own" in sizes.notes
+    with pytest.raises(ValueError, match="k_layer_bits: 2 is not the index of a KV layer of gemma3n_text; those are 0-1"):
+        kv_cache_bytes(config, "kv4", 70, k_layer_bits={2: 8})
+    # A config without transformers' kv_sharing_modes shares its last num_kv_shared_layers.
+    plain = types.SimpleNamespace(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, hidden_size=64,
+                                  num_kv_shared_layers=3)  # fmt: skip
+    assert estimate.sizes_from_config(plain).kinds == ("full", "shared", "shared", "shared")
+    # An assistant model's layers all read its target model's K/V.
+    with pytest.raises(ValueError, match=r"no layer that holds a KV cache \(every layer reads K/V another model"):
+        estimate.sizes_from_config(types.SimpleNamespace(**{**vars(plain), "num_kv_shared_layers": 4}))
 
 
 def test_k_layer_bits_are_refused_for_an_mla_latent():
