@@ -1,11 +1,10 @@
 """``kvpass estimate`` against the bytes a kv4-compiled model stores, for every type ``kvpass coverage``
 rewrites (``docs/coverage.json``), or those named.
 
-Each type, shrunk as ``kvpass coverage`` shrinks it and cast to bf16, is compiled with kv4 and given a
-70-token prompt at batch 2 in a subprocess of its own; a row compares the cache's stored kv4 bytes and
-their fp16 size with :func:`kvpass.estimate.kv_cache_bytes` for the same config, context and batch.
-A type this plain forward cannot drive (a model that wants other inputs, or returns its cache elsewhere)
-is a row with the error.
+Each type, shrunk as ``kvpass coverage`` shrinks it and cast to bf16 (fp32 where bf16 fails), is compiled
+with kv4 and given a 70-token prompt at batch 2 in a subprocess of its own; a row compares the cache's
+stored kv4 bytes and their fp16 size with :func:`kvpass.estimate.kv_cache_bytes` for the same config,
+context and batch. A type this plain forward cannot drive is a row with the error.
 
     python benchmarks/estimate_sweep.py [TYPE ...] [--jobs 2] [--timeout 240]
 """
@@ -20,6 +19,9 @@ import sys
 from pathlib import Path
 
 PROMPT, BATCH = 70, 2
+# Transformers' Inkling2 does not run in bf16 (a float matmul meets a bf16 weight). The estimate costs a 16-bit
+# model's unquantized tokens, and past 64 prompt tokens no K waits unquantized, so fp32 stores the same bytes.
+FLOAT32_TYPES = {"inkling2_text", "inkling2_loop_text"}
 
 
 def measure(model_type: str) -> dict:
@@ -32,13 +34,16 @@ def measure(model_type: str) -> dict:
     from kvpass.packed import PackedKV
 
     config = tiny_config(model_type)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    dtype = torch.float32 if model_type in FLOAT32_TYPES else torch.bfloat16
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     step = torch.compile(model, backend=kvpass.kv4())
     vocab = min(config.get_text_config(decoder=True).vocab_size or 256, 256)
     ids = torch.randint(3, vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    # The cache as passed: models that return it elsewhere (recurrent_gemma) or not at all (the BERT family
+    # as decoders) still fill it.
+    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+        step(input_ids=ids, past_key_values=cache, use_cache=True)
     # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D.
     tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                if isinstance(t, torch.Tensor) and t.dim() == 4]  # fmt: skip
