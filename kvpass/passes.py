@@ -1027,6 +1027,16 @@ def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> Quan
     return spec
 
 
+def _packed_buffer_once(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec, shared: "_SharedWrites") -> QuantSpec:
+    """:func:`_packed_buffer` by the first site that reads ``write``'s buffer; later ones (differential
+    attention, a layer that reads an earlier one's K/V) take its int4 buffer and spec."""
+    if write.node not in shared.buffers:
+        spec = _packed_buffer(graph, write, spec)
+        shared.buffers[write.node] = write.past, spec
+    write.past, spec = shared.buffers[write.node]
+    return spec
+
+
 def _static_buffer_spec(write: _CacheWrite) -> QuantSpec | None:
     """The spec of a static cache's int4 buffer allocated before this graph (None: any other write)."""
     if not _is_static(write) or _is_buffer_ctor(write.past):
@@ -1178,19 +1188,17 @@ def _rewrite_site(
 ) -> str:
     if k.reads_new and v.reads_new:
         for write, spec in ((k, config.k), (v, config.v)):
-            _packed_buffer(graph, write, spec)  # PackedKV's copy_ quantizes the kept tokens in place
+            _packed_buffer_once(graph, write, spec, shared)  # PackedKV's copy_ quantizes the kept tokens in place
         return "prefill"
     if _is_static(k):
         # The new tokens go into the buffer (quantized) and attention reads only the buffer;
         # HF's mask (or the prefix HF reads) hides the slots not written yet.
         specs = []
         for write, spec in ((k, config.k), (v, config.v)):
-            if write.node not in shared.buffers:  # a buffer several sites read (differential attention): once
-                spec = _packed_buffer(graph, write, spec)
-                shared.buffers[write.node] = write.past, spec
+            written = write.node in shared.buffers
+            specs.append(_packed_buffer_once(graph, write, spec, shared))
+            if not written:
                 _write_slots(graph, write)
-            write.past, spec = shared.buffers[write.node]
-            specs.append(spec)
         with graph.inserting_before(attn.output):
             k_read, v_read = _static_read(graph, k), _static_read(graph, v)
         _fused_attention(graph, attn, k, v, k_read, v_read, specs)

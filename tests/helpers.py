@@ -46,18 +46,6 @@ def sliding_mistral(window=100):
     return model.eval()
 
 
-def kv_sharing_gemma3n_config():
-    """A tiny Gemma 3n whose layers 2 and 3 read the K/V of layers 0 and 1 (sliding, full) and cache none."""
-    from kvpass.coverage import tiny_config
-
-    config = tiny_config("gemma3n_text")
-    config.num_hidden_layers, config.num_kv_shared_layers = 4, 2
-    config.layer_types = ["sliding_attention", "full_attention"] * 2
-    config.intermediate_size = config.intermediate_size[:1] * 4
-    config.activation_sparsity_pattern = config.activation_sparsity_pattern[:1] * 4
-    return config
-
-
 def cache_tensors(cache):
     """Every attention layer's K and V (a hybrid cache's recurrent layers hold neither)."""
     for layer in cache.layers:

@@ -16,8 +16,8 @@ from kvpass import debug, passes
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
-from tests.helpers import (cache_tensors, greedy_forward_loop, kv_heavy_llama, kv_sharing_gemma3n_config,
-                           packed_and_fp16_bytes, same_stored_bits, sliding_mistral)
+from tests.helpers import (cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes, same_stored_bits,
+                           sliding_mistral)
 
 
 def _ids(n, batch=1, seed=0):
@@ -507,7 +507,9 @@ def test_layer_index_is_the_last_number_in_the_module_path():
 def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits(caplog):
     from transformers import AutoModelForCausalLM
 
-    config = kv_sharing_gemma3n_config()  # layers 2 and 3 read the caches of layers 0 and 1
+    from kvpass.coverage import tiny_config
+
+    config = tiny_config("gemma3n_text")  # layers 2 and 3 read the caches of layers 0 and 1
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

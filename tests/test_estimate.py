@@ -549,9 +549,10 @@ def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
     from transformers import AutoModelForCausalLM, DynamicCache
 
     import kvpass
-    from tests.helpers import kv_sharing_gemma3n_config, packed_and_fp16_bytes
+    from kvpass.coverage import tiny_config
+    from tests.helpers import packed_and_fp16_bytes
 
-    config = kv_sharing_gemma3n_config()
+    config = tiny_config("gemma3n_text")  # layers 2 and 3 read the K/V of layers 0 and 1
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     torch._dynamo.reset()
     step = torch.compile(model, backend=kvpass.kv4())

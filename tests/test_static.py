@@ -147,6 +147,35 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
     assert sites and all(site.rewritten for site in sites)
 
 
+def test_buffers_that_later_layers_read_are_allocated_int4_once():
+    """Gemma 3n's layers 2 and 3 read the K/V of layers 0 and 1: the first graph's sites over one buffer
+    allocate it int4 once (a second site packing its erased allocation again broke the graph's order), and
+    the sliding layer's prompt, over its window, is copied in."""
+    torch._dynamo.reset()
+    config = tiny_config("gemma3n_text")
+    assert config.sliding_window < 40 and config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(
+        _prompt(40), max_new_tokens=4, do_sample=False, cache_implementation="static", return_dict_in_generate=True
+    )
+    layers = out.cache.layers
+    assert all(isinstance(t, PackedKV) for layer in layers[:2] for t in (layer.keys, layer.values))
+    assert backend.graphs[0].after.count("kv4_zeros(") == 4
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert len(sites) == 4 * len(backend.graphs) and all(site.rewritten for site in sites)
+    size = max(layer.max_cache_len for layer in layers[:2])
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    expected = model.generate(
+        _prompt(40), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(config, max_cache_len=size)
+    )
+    assert torch.equal(out.sequences, expected)
+
+
 @torch.no_grad()
 def test_mla_static_latent_is_int4_and_attended_directly():
     """An MLA model's static cache holds its latent, written into slots: int4 from the graph that
