@@ -605,6 +605,8 @@ def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual
         k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_reading,
         v_reading, k_spec, v_spec,
     )  # fmt: skip
+    # A sink's zero token (reference.with_sink) is attended, not stored.
+    k_new, v_new = k_new[:, :, :STEP_TOKENS], v_new[:, :, :STEP_TOKENS]
     k_stored = reference.encode_refined(k_new.to(k_residual.dtype), k_spec, reference.quantize, k_offset)
     v_stored = reference.encode_refined(v_new.to(v_residual.dtype), v_spec, reference.quantize, v_offset)
     return out, *k_stored, *v_stored
@@ -612,28 +614,32 @@ def _decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual
 
 def decode_step(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
                 k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset,
-                v_head, v_offset, k_query_scales):  # fmt: skip
+                v_head, v_offset, k_query_scales, sink=None):  # fmt: skip
     """:func:`attention` (not causal) and :func:`encode_refined` of ``k_new`` and ``v_new`` in their caches'
     dtypes, with their caches' offsets (an unrefined spec's second planes: 0 rows): ``(out, *k_stored,
     *v_stored)``, ``q`` and ``k_new`` read with K's ``k_query_scales`` first (None: K has none;
-    :func:`kvpass.reference.read_with_query_scales`). A decode step's three are one compiled graph: a
+    :func:`kvpass.reference.read_with_query_scales`), and an attention ``sink``'s logit read too (None:
+    none; :func:`kvpass.reference.with_sink`). A decode step's three are one compiled graph: a
     compiled call's wrappers (Dynamo's, AOT's) cost more than its one token's work (a SmolLM2 step: 30
     calls, not 90; ``docs/bench-decode.md``), and so did the query scales' products made eagerly before
     it. The codes are the reference's bit for bit, as :func:`encode_refined`'s."""
 
     def apart():
         q_read, k_read = reference.read_with_query_scales(q, k_new, k_query_scales)
-        return (attention(q_read, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_read, v_new,
-                          attn_mask, scale, False, k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes,
-                          v_fine_scales, k_head, k_offset, v_head, v_offset),
+        return (attention(q_read, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual,
+                          *reference.with_sink(k_read, v_new, attn_mask, sink), scale, False, k_spec, v_spec, softcap,
+                          k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset),
                 *encode_refined(k_read.to(k_residual.dtype), k_spec, k_offset),
                 *encode_refined(v_new.to(v_residual.dtype), v_spec, v_offset))  # fmt: skip
 
     # One new token, as before the fused attention took two: the compiled quantization is checked bit for
     # bit on single tokens (encode_refined compiles no other), and kvpass calls this op with one only.
-    fused = _takes(k_query_scales) and k_new.shape[2] == STEP_TOKENS and _fused_args(
-        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, False, k_spec,
-        v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset,
+    # A sink's zero token goes in eagerly, as the fused attention takes it from the model's graph.
+    k_read, v_read, read_mask = reference.with_sink(k_new, v_new, attn_mask, sink)
+    fused = _takes(k_query_scales, sink) and k_new.shape[2] == STEP_TOKENS and _fused_args(
+        q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_read, v_read, read_mask, scale, False,
+        k_spec, v_spec, softcap, k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head,
+        v_offset,
     )  # fmt: skip
     if not fused:
         return apart()

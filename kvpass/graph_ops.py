@@ -93,11 +93,14 @@ def kv4_decode(
     query: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     fills_pads: bool = False,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PackedKV, PackedKV]:
     """``(kv4_sdpa(q, past_k, k_new, past_v, v_new, ...), kv4_append(past_k, k_new, k_spec, query, mask,
     fills_pads), kv4_append(past_v, v_new, v_spec, ...))`` of a site whose appends only its attention and
-    the cache object read: a decode step's three in one call (:func:`kvpass.packed.attend_and_append`)."""
+    the cache object read: a decode step's three in one call (:func:`kvpass.packed.attend_and_append`).
+    ``sink``: an attention sink's logits, which the attention reads after the new tokens."""
     k, v = _as_packed(past_k, _spec(k_spec)), _as_packed(past_v, _spec(v_spec))
     pads = _pads(mask, k_new) if k.takes_pads else None
-    return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, query, pads, fills_pads)
+    return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, query, pads, fills_pads,
+                                    sink)  # fmt: skip
 

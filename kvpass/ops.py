@@ -350,6 +350,7 @@ def _decode_step_on_cpu(
     v_head: torch.Tensor | None,
     v_offset: torch.Tensor | None,
     k_query_scales: torch.Tensor | None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor, torch.Tensor]:  # fmt: skip
     """One decode step of a layer whose K and V are quantized a token at a time (``QuantSpec.tokens_apart``):
@@ -357,7 +358,9 @@ def _decode_step_on_cpu(
     of each new token in its cache's dtype with its cache's offset (``refine`` 0: no second plane, 0 rows
     of it): ``(out, *k_stored, *v_stored)``, each four tensors. A query-scaled K's scales
     (``k_query_scales``, else None) divide ``q`` and multiply ``k_new`` first, as attention reads a stored
-    key and an append stores one (:func:`kvpass.reference.read_with_query_scales`).
+    key and an append stores one (:func:`kvpass.reference.read_with_query_scales`). ``sink`` (``[B, H, T,
+    1]``, else None): one more logit per row, which attention reads and nothing stores
+    (:func:`kvpass.reference.with_sink`).
     One op, not three: the work is one token's, and on CPU each call costs more than its work
     (:func:`kvpass.cpu_steps.decode_step` compiles the three as one graph)."""
     return cpu_steps.decode_step(
@@ -365,6 +368,7 @@ def _decode_step_on_cpu(
         _spec(k_bits, k_scheme, k_group, k_rotate, k_symmetric, k_span_heads, clip=k_clip, refine=k_refine),
         _spec(v_bits, v_scheme, v_group, v_rotate, v_symmetric, v_span_heads, clip=v_clip, refine=v_refine), softcap,
         k_fine_codes, k_fine_scales, v_fine_codes, v_fine_scales, k_head, k_offset, v_head, v_offset, k_query_scales,
+        sink,
     )  # fmt: skip
 
 
@@ -384,11 +388,12 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 def _decode_step_on_cuda(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
                          scale, *rest):  # fmt: skip
     n = _REFINED_ARGS
-    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales) = (
+    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales, sink) = (
         rest[:n], rest[n : 2 * n], rest[2 * n :]
     )  # fmt: skip
     q, k_new = reference.read_with_query_scales(q, k_new, k_query_scales)
-    out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale,
+    k_read, v_read, attn_mask = reference.with_sink(k_new, v_new, attn_mask, sink)
+    out = attention(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_read, v_read, attn_mask, scale,
                     False, *k_args[:SPEC_ARGS], *v_args[:SPEC_ARGS], softcap, *planes, k_head, k_offset, v_head,
                     v_offset)  # fmt: skip
     k_stored = quantize_refined(k_new.to(k_residual.dtype), *k_args, k_offset)

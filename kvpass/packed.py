@@ -1046,22 +1046,25 @@ def _steps_as_one(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor
 def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor,
                       attn_mask: torch.Tensor | None = None, scale: float | None = None, is_causal: bool = False,
                       softcap: float = 0.0, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,
-                      fills_pads: bool = False) -> tuple[torch.Tensor, PackedKV, PackedKV]:  # fmt: skip
+                      fills_pads: bool = False, sink: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, PackedKV, PackedKV]:  # fmt: skip
     """``(attention(q, k, v, k_new, v_new, ...), k.append(k_new, query, pads, fills_pads), v.append(v_new, ...))``:
-    a layer's attention and both appends, which read only the past (V gets the ``pads`` to fill them).
-    A decode step of two per-token caches is one op call (``kv4::decode_step``), the rest the three calls."""
+    a layer's attention and both appends, which read only the past (V gets the ``pads`` to fill them), and
+    attention reads a ``sink`` logit too (:func:`kvpass.reference.with_sink`). A decode step of two per-token
+    caches is one op call (``kv4::decode_step``), the rest the three calls."""
     if not _steps_as_one(q, k, v, k_new, is_causal, query):
         k_grown = k.append(k_new, query, pads, fills_pads)
         # V needs the pads only to fill them (K's statistics skip them).
         v_grown = v.append(v_new, pads=pads if fills_pads else None, fills_pads=fills_pads)
-        return attention(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap), k_grown, v_grown
+        k_read, v_read, attn_mask = reference.with_sink(k_new, v_new, attn_mask, sink)
+        return attention(q, k, v, k_read, v_read, attn_mask, scale, is_causal, softcap), k_grown, v_grown
     args = _attention_args(q, k, v, k_new, v_new, attn_mask, scale, is_causal, softcap, None, query_scaled=False)
     (q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask, scale, _), rest = (
         args[:12], args[12 + 2 * ops.SPEC_ARGS :]
     )  # fmt: skip
     out, *stored = ops.call(
         ops.decode_step, q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
-        scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest, k.query_scales,
+        scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest, k.query_scales, sink,
     )  # fmt: skip
     # The op scaled the new key by K's query scales, as an append stores it.
     k_grown = k._extended_by(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)

@@ -10,7 +10,8 @@ A site is an attention computation whose K and V lead back, through the view cha
   ``[B, H, T, D]`` output is flattened back;
 * attention sinks (GPT-OSS, MiMo): ``cat([scores, sink], -1) [- its row max] -> softmax ->
   probs[..., :-1]`` with ``sink [B, H, T, 1]`` and a mask present; the sink becomes one more
-  new token whose key and value are zero and whose mask column is the sink logit. A row-max
+  new token whose key and value are zero and whose mask column is the sink logit (``kv4_decode``
+  takes the sink and builds that token itself, as it stores the new tokens alone). A row-max
   shift alone is dropped too (it changes no softmax);
 * scores, read back from the softmax input (past any sink) in this order (each step optional):
   masking (``+ term`` any number of times, ``torch.where(keep, s, -big)``,
@@ -1087,8 +1088,10 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
                 w.new if w.extra is None else graph.call_function(torch.cat, ([w.new, w.extra],), {"dim": -2})
                 for w in (k, v)
             )  # fmt: skip
-        if attn.sink is not None:
+        if attn.sink is not None and appends is None:
             k_new, v_new = _add_sink(graph, attn, k_new, v_new, k.new, v.new)
+        elif attn.sink is not None:
+            appends = {**appends, "sink": attn.sink}  # the call attends to it and stores the new tokens alone
         kwargs = {
             "attn_mask": attn.attn_mask, "scale": attn.scale, "is_causal": attn.is_causal,
             "k_spec": specs[0].tag, "v_spec": specs[1].tag,
@@ -1115,7 +1118,7 @@ def _appends_with_attention(attn: _Attention, k: _CacheWrite, v: _CacheWrite, sh
     exist (after the attention) and as a cache, not as floats."""
     if k.node is v.node:
         return "K and V are one tensor"
-    if attn.sink is not None or k.extra is not None or v.extra is not None or v.heads is not None:
+    if k.extra is not None or v.extra is not None or v.heads is not None:
         return "attention reads other new tokens than the appends store"
     site = {*attn.nodes, *k.chain, *v.chain}
     # The call replaces the whole attention, views of the cache included: none may outlive it.

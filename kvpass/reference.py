@@ -753,6 +753,20 @@ def read_with_query_scales(q: torch.Tensor, k_new: torch.Tensor | None, query_sc
     return by_query_scales(q, query_scales, -1), by_query_scales(k_new, query_scales, 1)
 
 
+def with_sink(k_new: torch.Tensor, v_new: torch.Tensor, attn_mask: torch.Tensor | None, sink: torch.Tensor | None):
+    """``(k_new, v_new, attn_mask)`` that attend as ``sink`` (``[B, H, T, 1]``, one more logit per row, as
+    GPT-OSS's attention sinks): one more new token whose key and value are zero and whose mask column is
+    the sink, after ``attn_mask``'s broadcast to the sink's rows. No sink: the three as given."""
+    if sink is None:
+        return k_new, v_new, attn_mask
+    if attn_mask is None or not attn_mask.is_floating_point():
+        got = None if attn_mask is None else attn_mask.dtype
+        raise ValueError(f"an attention sink needs an additive float mask to carry its logit, got {got}")
+    zero_k, zero_v = (torch.zeros_like(x[:, :, :1]) for x in (k_new, v_new))
+    rows = attn_mask + torch.zeros_like(sink)
+    return torch.cat([k_new, zero_k], -2), torch.cat([v_new, zero_v], -2), torch.cat([rows, sink], -1)
+
+
 # H + ROUNDING_DAMPING * mean(diag H) * I: one append's queries are few samples of the queries that
 # will read its tokens (a decode step's are one token's query heads); less damped, H overfits them
 # (on Gemma 3's 256-channel heads 0.3 lost perplexity where 1 did not).

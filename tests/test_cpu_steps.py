@@ -383,8 +383,8 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
 
 @torch.no_grad()
 def test_an_attention_sink_model_decodes_through_the_fused_attention(compiled_steps):
-    """GPT-OSS's sinks reach kv4's attention as a second new token (passes.py), which the fused attention
-    takes: a model-level check that the rewritten graph still hands it that form."""
+    """GPT-OSS's sinks reach kv4's decode step as a logit it reads after the new token (passes.py), in the
+    fused attention: a model-level check that the rewritten graph hands it that form."""
     from transformers import AutoModelForCausalLM
 
     from kvpass.coverage import tiny_config
@@ -403,11 +403,11 @@ def test_an_attention_sink_model_decodes_through_the_fused_attention(compiled_st
                 logits[fused].append(out)
                 token = out.argmax(-1, keepdim=True)
     # 3 decode steps of 2 layers (a sliding one and a full one, whose caches and masks are alike in all
-    # the graph keys on: one structure, whose first call ran eagerly). With two new tokens the step's
-    # appends are graphs of their own (decode_step takes one), which the reference run reuses.
-    attentions = [key for fn, key in cpu_steps._compiled if fn is cpu_steps._decode_attention]
-    assert len(attentions) == 1 and not cpu_steps._refused
-    assert compiled_steps.count(cpu_steps._decode_attention) == 2 * 3 - 1
+    # the graph keys on: one structure, whose first call ran its three parts eagerly), each one graph with
+    # its appends (kv4_decode takes the sink, reference.with_sink).
+    steps = [key for fn, key in cpu_steps._compiled if fn is cpu_steps._decode_step]
+    assert len(steps) == 1 and not cpu_steps._refused
+    assert compiled_steps.count(cpu_steps._decode_step) == 2 * 3 - 1
     for a, b in zip(logits[True], logits[False]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
@@ -638,6 +638,30 @@ def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_refere
     expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_attention_sinks_decode_step_is_one_graph_that_stores_the_new_token_alone(compiled_steps, monkeypatch,
+                                                                                    dtype):  # fmt: skip
+    # GPT-OSS's sink logit is read as a zero token after the new one (reference.with_sink), which the
+    # appends do not store: a decode step of it is one graph too, since the fifty-fourth run.
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, dtype, seed=9)
+    sink = torch.randn(3, q.shape[1], 1, 1, generator=torch.Generator().manual_seed(10)).to(dtype)
+    attn_mask = torch.zeros(3, 1, 1, k.shape[2] + 1, dtype=dtype)
+    attn_mask[1, ..., :5] = float("-inf")  # row 1 left-padded
+
+    def step():
+        return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, None, False, 0.0, query=q, sink=sink)
+
+    step()  # a key's first call runs the three apart
+    before = len(compiled_steps)
+    out, k_grown, v_grown = step()
+    assert compiled_steps[before:] == [cpu_steps._decode_step]
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    expected = packed.attention(q, k, v, *reference.with_sink(k_new, v_new, attn_mask, sink))
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
+    assert not torch.allclose(out, packed.attention(q, k, v, k_new, v_new, attn_mask), **TOLERANCE[dtype])
 
 
 def test_a_decode_step_inductor_fails_on_runs_its_three_parts_compiled(compiled_steps, monkeypatch, caplog):

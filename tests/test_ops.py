@@ -135,18 +135,24 @@ def test_opcheck_decode_step_and_it_is_attention_and_quantize_refined(dtype, ref
         assert parts[2].shape[2] == parts[3].shape[2] == parts[6].shape[2] == parts[7].shape[2] == 0
 
 
+def _default_caches_and_a_step(dtype, gen):
+    """``(k, v, q, k_new, v_new)``: the default's caches of a 300-token prompt (K query-scaled by its 4
+    query heads), and a decode step's query and new tokens."""
+    from kvpass.packed import PackedKV
+
+    q = torch.randn(2, 4, 300, 64, generator=gen, dtype=dtype)
+    k = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().k, query=q)
+    v = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().v)
+    return k, v, *(torch.randn(2, heads, 1, 64, generator=gen, dtype=dtype) for heads in (4, 2, 2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_step_applies_ks_query_scales_as_attention_reads_and_an_append_stores(dtype):
     # q / s against stored keys k * s, and the new key stored as k_new * s: the op given the scales is
     # the op given q and k_new scaled beforehand (as packed.attention scales them), bit for bit.
-    from kvpass.packed import PackedKV
-
     gen = torch.Generator().manual_seed(5)
-    q = torch.randn(2, 4, 300, 64, generator=gen, dtype=dtype)
-    k = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().k, query=q)
-    v = PackedKV.from_float(torch.randn(2, 2, 300, 64, generator=gen, dtype=dtype), KVConfig().v)
+    k, v, q, k_new, v_new = _default_caches_and_a_step(dtype, gen)
     assert reference.fixed_or_none(k.query_scales) is not None
-    q, k_new, v_new = (torch.randn(2, heads, 1, 64, generator=gen, dtype=dtype) for heads in (4, 2, 2))
     args = decode_step_args(q, k, v, k_new, v_new)
     got = ops.decode_step(*args)
     q_read, k_read = reference.read_with_query_scales(q, k_new, k.query_scales)
@@ -154,6 +160,30 @@ def test_decode_step_applies_ks_query_scales_as_attention_reads_and_an_append_st
     assert not torch.equal(q_read, q)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     torch.library.opcheck(ops.decode_step, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_step_with_a_sink_attends_to_its_logit_and_stores_the_new_token_alone(dtype):
+    # GPT-OSS's attention sink: one more logit per row, read as a zero key and value (reference.with_sink).
+    gen = torch.Generator().manual_seed(6)
+    k, v, q, k_new, v_new = _default_caches_and_a_step(dtype, gen)
+    mask = torch.zeros(2, 1, 1, k.shape[2] + 1, dtype=dtype)
+    mask[1, ..., :7] = float("-inf")
+    sink = torch.randn(2, 4, 1, 1, generator=gen, dtype=dtype)
+    args = (*decode_step_args(q, k, v, k_new, v_new, mask), sink)
+    torch.library.opcheck(ops.decode_step, args)
+    out, *parts = ops.decode_step(*args)
+    q_read, k_read = reference.read_with_query_scales(q, k_new, k.query_scales)
+    k_attended, v_attended, sink_mask = reference.with_sink(k_read, v_new, mask, sink)
+    assert k_attended.shape[2] == 2 and not k_attended[:, :, 1].any() and sink_mask.shape == (2, 4, 1, k.shape[2] + 2)
+    attended = decode_step_args(q_read, k, v, k_attended, v_attended, sink_mask)[:-1]
+    assert torch.equal(out, ops.decode_step(*attended, None)[0])
+    unsunk = ops.decode_step(*decode_step_args(q, k, v, k_new, v_new, mask))
+    assert all(torch.equal(a, b) for a, b in zip(parts, unsunk[1:], strict=True))  # the new tokens alone
+    assert not torch.allclose(out, unsunk[0], atol=1e-3)  # the sink takes its share of every row
+    with pytest.raises(ValueError, match="an attention sink needs an additive float mask to carry its logit, got "
+                                         "torch.bool"):  # fmt: skip
+        ops.decode_step(*decode_step_args(q, k, v, k_new, v_new, mask == 0), sink)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 100])
