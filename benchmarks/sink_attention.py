@@ -1,11 +1,15 @@
 """A decode step's kv4 attention with an attention sink on CPU: fused (``kvpass.cpu_steps``) against the
-reference, and the same step without the sink.
+reference, and the same step without the sink; then whole steps, attention and both appends, as one call
+and as three.
 
 GPT-OSS's attention sinks reach kv4 as one more new token, key and value zero, whose mask column holds
 the sink's logit (``kvpass/passes.py``). ``packed.attention`` is timed on one layer shaped as GPT-OSS's
 (8 KV heads x 64, 64 query heads by default) over a cache the default stores as decode would
 (``kvpass.bench.attention.case_inputs``): warm, the median of ``--iters`` calls, the methods taking
-turns ``--rounds`` times so that drift on a shared machine lands on each alike.
+turns ``--rounds`` times so that drift on a shared machine lands on each alike. A step's forms are timed
+over ``--iters`` steps from the context, each appending to the cache the last one returned: one
+``packed.attend_and_append`` taking the sink (one ``kv4::decode_step``), against the attention over the
+sink's zero token and the two appends apart (the form until the fifty-fourth run).
 
     python benchmarks/sink_attention.py [--context 1024 4096] [--iters 200] [--rounds 2]
 """
@@ -13,11 +17,13 @@ turns ``--rounds`` times so that drift on a shared machine lands on each alike.
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 from decode_breakdown import alone_ms  # benchmarks/, beside this script
 
-from kvpass import arguments, cpu_steps, packed
+from kvpass import arguments, cpu_steps, packed, reference
 from kvpass.bench.attention import case_inputs
 
 
@@ -42,6 +48,36 @@ def _calls(context: int, args) -> dict:
             "fused, no sink": lambda: packed.attention(q, keys, values, k_new, v_new, None, scale)}  # fmt: skip
 
 
+def _step_forms(context: int, args) -> dict:
+    """``form -> run(steps)``: ``steps`` decode steps from ``context`` with a sink; each run returns the
+    median ms a step (each step's mask is made before its clock starts)."""
+    inputs = case_inputs(1, context, args, device="cpu")
+    q, keys, values, k_new, v_new, scale = (inputs[n] for n in ("q", "keys", "values", "k_new", "v_new", "scale"))
+    sink = torch.randn(1, args.q_heads, 1, 1, dtype=q.dtype)
+
+    def one_call(k, v, mask):
+        out, k, v = packed.attend_and_append(q, k, v, k_new, v_new, mask, scale, query=q, sink=sink)
+        return k, v
+
+    def three_calls(k, v, mask):
+        packed.attention(q, k, v, *reference.with_sink(k_new, v_new, mask, sink), scale)
+        return k.append(k_new, query=q), v.append(v_new)
+
+    def timed(form):
+        def run(steps):
+            k, v, times = keys, values, []
+            for _ in range(steps):
+                mask = torch.zeros(1, 1, 1, k.shape[2] + 1, dtype=q.dtype)
+                start = time.perf_counter()
+                k, v = form(k, v, mask)
+                times.append(1e3 * (time.perf_counter() - start))
+            return statistics.median(times)
+
+        return run
+
+    return {"one call, sink": timed(one_call), "three calls, sink": timed(three_calls)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=arguments.tokens, nargs="+", default=[1024, 4096])
@@ -63,6 +99,17 @@ def main() -> None:
                 times[method].append(alone_ms(call, repeats=args.iters))
         for method, ms in times.items():
             print(f"| {context} | {method} | {' / '.join(f'{t:.2f}' for t in ms)} |", flush=True)
+    print("\n| context | a step's form | ms a step, each round |\n|---|---|---|")
+    for context in args.context:
+        forms = _step_forms(context, args)
+        for run in forms.values():
+            run(3)  # compiles each form's graphs
+        times = {form: [] for form in forms}
+        for _ in range(args.rounds):
+            for form, run in forms.items():
+                times[form].append(run(args.iters))
+        for form, ms in times.items():
+            print(f"| {context} | {form} | {' / '.join(f'{t:.3f}' for t in ms)} |", flush=True)
 
 
 if __name__ == "__main__":
