@@ -388,8 +388,10 @@ def _(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_
 def _decode_step_on_cuda(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
                          scale, *rest):  # fmt: skip
     n = _REFINED_ARGS
-    k_args, v_args, (softcap, *planes, k_head, k_offset, v_head, v_offset, k_query_scales, sink) = (
-        rest[:n], rest[n : 2 * n], rest[2 * n :]
+    k_args, v_args, tail = rest[:n], rest[n : 2 * n], rest[2 * n :]
+    # softcap, 4 second-plane tensors, sinks and offsets, K's query scales, and the sink where given
+    softcap, planes, (k_head, k_offset, v_head, v_offset, k_query_scales), sink = (
+        tail[0], tail[1:5], tail[5:10], tail[10] if len(tail) > 10 else None
     )  # fmt: skip
     q, k_new = reference.read_with_query_scales(q, k_new, k_query_scales)
     k_read, v_read, attn_mask = reference.with_sink(k_new, v_new, attn_mask, sink)

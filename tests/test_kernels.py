@@ -602,10 +602,13 @@ def test_the_ops_cuda_kernels_given_cpu_tensors_agree_with_their_cpu_kernels(dty
     for given in (args, required):
         torch.testing.assert_close(ops._attention_on_cuda(*given), ops._attention_on_cpu(*given), **TOLERANCE[dtype])
     args = decode_step_args(q, k, v, k_new, v_new, mask)
-    got, expected = ops._decode_step_on_cuda(*args), ops._decode_step_on_cpu(*args)
-    assert all(bits_equal(a, b) for a, b in zip(got, expected, strict=True))
+    sunk = (*decode_step_args(q, k, v, k_new, v_new, torch.zeros(mask.shape).masked_fill(~mask, -torch.inf)),
+            torch.randn(2, 4, 1, 1, generator=gen).to(dtype))  # an attention sink's logits, with a float mask
+    for given in (args, sunk):
+        got, expected = ops._decode_step_on_cuda(*given), ops._decode_step_on_cpu(*given)
+        assert all(bits_equal(a, b) for a, b in zip(got, expected, strict=True))
     # A launch a call: quantize, then the fused refined quantize, for K's spec and V's; the attention twice.
-    # The decode step's ops went to their CPU kernels.
+    # The decode steps' ops went to their CPU kernels.
     assert launched == ["quantize", "quantize_refined", "quantize", "quantize_refined", "attention", "attention"]
 
 
