@@ -30,7 +30,7 @@ def measure(model_type: str) -> dict:
 
     import kvpass
     from kvpass.coverage import tiny_config
-    from kvpass.estimate import kv_cache_bytes
+    from kvpass.estimate import DEEPSEEK_V4_STATE, kv_cache_bytes
     from kvpass.packed import PackedKV
 
     config = tiny_config(model_type)
@@ -44,15 +44,18 @@ def measure(model_type: str) -> dict:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         step(input_ids=ids, past_key_values=cache, use_cache=True)
-    # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D.
-    tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if isinstance(t, torch.Tensor) and t.dim() == 4]  # fmt: skip
+    # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D, K and V one tensor in
+    # DeepSeek-V4's layers (counted once), beside its compressors' state, which stays in bf16.
+    tensors = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor) and t.dim() == 4}.values()  # fmt: skip
     if not all(isinstance(t, PackedKV) for t in tensors):
         raise TypeError(f"the cache holds {sorted({type(t).__name__ for t in tensors})}, not only PackedKV")
+    state = sum(t.numel() * t.element_size() for layer in cache.layers for name in DEEPSEEK_V4_STATE
+                for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip
     return {
-        "stored": sum(t.stored_bytes() for t in tensors),
+        "stored": state + sum(t.stored_bytes() for t in tensors),
         "estimate": kv_cache_bytes(config, "kv4", PROMPT, BATCH),
-        "fp16": sum(t.numel() * 2 for t in tensors),
+        "fp16": state + sum(t.numel() * 2 for t in tensors),
         "fp16 estimate": kv_cache_bytes(config, "fp16", PROMPT, BATCH),
     }
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import dataclasses
 import inspect
 import json
@@ -70,6 +71,29 @@ _STATE_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent
 _NO_CACHE_TYPES = {"moe", "mlp", "dummy"}
 # The kinds of layer (`KVSizes.kinds`) that hold a KV cache of their own.
 _KV_KINDS = ("full", "sliding")
+# DeepSeek-V4's layers (transformers' DeepseekV4HCACache, DeepseekV4CSACache): a sliding window of K and V
+# as one tensor of one head, beside a compressor's state (`Compressor`).
+_COMPRESSED_TYPES = {"heavily_compressed_attention", "compressed_sparse_attention"}
+# The cache layer's dicts of compressor state, `Compressor.bytes` of them.
+DEEPSEEK_V4_STATE = ("compressed_kv", "buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    """A DeepSeek-V4 layer's compressor, which kvpass leaves in the model's 16 bits: one entry of ``dim``
+    channels for every ``rate`` tokens, and the tokens of a window not yet closed (their K/V and gate). An
+    ``overlapping`` one (CSA's) projects two series of ``dim`` channels each and keeps the last closed
+    window's first series (K/V and gate) for the next."""
+
+    rate: int
+    dim: int
+    overlapping: bool = False
+
+    def bytes(self, context: int) -> int:
+        """Bytes one sequence of ``context`` tokens leaves it holding."""
+        width = 2 * self.dim if self.overlapping else self.dim
+        kept = 2 * self.rate * self.dim if self.overlapping and context >= self.rate else 0
+        return 2 * (context // self.rate * self.dim + 2 * (context % self.rate) * width + kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +107,9 @@ class KVSizes:
     left empty, the full layers come first. ``latent``: the K and V slots hold an MLA model's latent
     and rotary key, which kv4 stores with V's settings both.
     ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
-    from the full layers' (Gemma 4, Inkling, MiMo-V2-Flash). ``notes`` explain how the figures were
+    from the full layers' (Gemma 4, Inkling, MiMo-V2-Flash). ``one_tensor``: K and V are one tensor,
+    stored once with K's settings (DeepSeek-V4's); ``compressors``: every layer's compressor state, which
+    the cache holds in 16 bits in every format (DeepSeek-V4's). ``notes`` explain how the figures were
     derived.
     """
 
@@ -98,6 +124,8 @@ class KVSizes:
     kinds: tuple[str, ...] = ()
     latent: bool = False
     sliding_shape: tuple[int, int, int] | None = None
+    one_tensor: bool = False
+    compressors: tuple[Compressor, ...] = ()
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
@@ -177,13 +205,15 @@ def _kv4_specs(
         k_spec, v_spec = (dataclasses.replace(_DEFAULT.k, group=k_group), dataclasses.replace(_DEFAULT.v, group=v_group))
     if sizes.latent:  # the pass stores a latent cache with V's settings (kvpass/passes.py)
         k_spec = v_spec
+    if sizes.one_tensor:  # read as V too, so as stored: the pass gives it no query scales
+        k_spec = dataclasses.replace(k_spec, query_scaled=False)
     _, k_dim, v_dim = sizes.shape(kind)
     return k_spec.for_head_dim(k_dim), v_spec.for_head_dim(v_dim)
 
 
-def _layer_token_bytes(shape: tuple[int, int, int], k_bits: float, v_bits: float) -> float:
+def _layer_token_bytes(shape: tuple[int, int, int], k_bits: float, v_bits: float, one_tensor: bool = False) -> float:
     heads, k_dim, v_dim = shape
-    return heads * (k_dim * k_bits + v_dim * v_bits) / 8
+    return heads * (k_dim * k_bits + (0 if one_tensor else v_dim * v_bits)) / 8
 
 
 def _kv4_layer_specs(
@@ -255,11 +285,13 @@ def kv_bytes_per_token(
     """
     sizes = kv_sizes(source)
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
+    compressed = sum(2 * c.dim / c.rate for c in sizes.compressors)  # a 16-bit entry every rate tokens
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        return sum(_layer_token_bytes(sizes.shape(kind), *bits) for kind in sizes.layer_kinds() if kind in _KV_KINDS)
-    return sum(
-        _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec))
+        return compressed + sum(_layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
+                                for kind in sizes.layer_kinds() if kind in _KV_KINDS)  # fmt: skip
+    return compressed + sum(
+        _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec), sizes.one_tensor)
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
     )
 
@@ -288,14 +320,16 @@ def kv_cache_bytes(
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     sizes = kv_sizes(source)
     held = {"full": context, "sliding": sizes.sliding_held(context)}
+    compressed = batch * sum(c.bytes(context) for c in sizes.compressors)
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
         kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
-        return batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits) for kind in kinds)
-    return batch * sum(
+        return compressed + batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
+                                        for kind in kinds)  # fmt: skip
+    return compressed + batch * sum(
         _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
-        for spec, dim in zip((k_spec, v_spec), sizes.shape(kind)[1:])
+        for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[: 2 - sizes.one_tensor]
     )
 
 
@@ -412,13 +446,22 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
             f"rotary key (V slot) once per layer, not per head ({heads} query heads); kv4 stores both with V's settings"
         )
     kinds, window = _layer_layout(cfg, layers, notes)
-    sliding_shape = None
+    sliding_shape, compressors = None, ()
     if _get(cfg, "kv_lora_rank") is None:
         shapes = _shapes_by_kind(cfg, heads, kinds)
         kv_heads, k_dim, v_dim = shapes.get("full", shapes.get("sliding"))
         if shapes.get("sliding", (kv_heads, k_dim, v_dim)) != (kv_heads, k_dim, v_dim):
             sliding_shape = shapes["sliding"]
             notes.append("sliding layers: {} KV heads, K dim {}, V dim {}".format(*sliding_shape))
+        compressors = _compressors(cfg, k_dim)
+        if compressors:
+            kv_heads = 1  # one K=V head, whatever num_key_value_heads says (DeepSeek-V4's modeling code)
+            rates = _get(cfg, "compress_rates")
+            counts = ", ".join(f"every {rates[kind]} tokens in {_plural(n, kind + ' layer')}"
+                               for kind, n in collections.Counter(_get(cfg, "layer_types")).items())  # fmt: skip
+            notes.append(f"DeepSeek-V4: each layer's sliding window holds K and V as one tensor of 1 head (kv4: K's "
+                         f"settings); its compressor's entries ({counts}; with an indexer's in CSA layers) stay in "
+                         "16 bits in every format, as kvpass leaves them")  # fmt: skip
         if kv_heads == 1 and heads > 1:
             notes.append(f"MQA: 1 KV head shared by {heads} query heads")
         elif kv_heads < heads:
@@ -435,6 +478,8 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         kinds=kinds,
         latent=_get(cfg, "kv_lora_rank") is not None,
         sliding_shape=sliding_shape,
+        one_tensor=bool(compressors),
+        compressors=compressors,
     )
 
 
@@ -520,7 +565,7 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
     kinds = []
     state: dict[str, int] = {}
     for kind in types:
-        if kind in _SLIDING_TYPES:
+        if kind in _SLIDING_TYPES or kind in _COMPRESSED_TYPES:
             kinds.append("sliding")
         elif kind in _CHUNKED_TYPES:
             kinds.append("sliding")
@@ -559,6 +604,20 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             f"they stop growing at {window - 1} tokens (the window less the next token)"
         )
     return tuple(kinds), (window if sliding else None)
+
+
+def _compressors(cfg: Any, head_dim: int) -> tuple[Compressor, ...]:
+    """Every DeepSeek-V4 layer's compressor (none for other configs): an HCA layer's entry of ``head_dim``
+    channels, a CSA layer's overlapping one and its indexer's, of ``index_head_dim``."""
+    rates = _get(cfg, "compress_rates") or {}
+    found: list[Compressor] = []
+    for kind in _get(cfg, "layer_types") or ():
+        if kind == "heavily_compressed_attention":
+            found.append(Compressor(rates[kind], head_dim))
+        elif kind == "compressed_sparse_attention":
+            index_dim = _require(cfg, "indexer head dim", "index_head_dim")
+            found += [Compressor(rates[kind], head_dim, True), Compressor(rates[kind], index_dim, True)]
+    return tuple(found)
 
 
 def _kv_shared_layers(cfg: Any, layers: int) -> list[int]:

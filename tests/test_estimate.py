@@ -574,6 +574,36 @@ def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
         estimate.sizes_from_config(types.SimpleNamespace(**{**vars(plain), "num_kv_shared_layers": 4}))
 
 
+@pytest.mark.parametrize("prompt", [70, 300])
+def test_deepseek_v4s_estimate_is_its_one_kv_tensor_and_its_compressors_state(prompt):
+    # Each layer's sliding window holds K and V as one tensor of one head, and its compressor keeps
+    # entries (one every 128 tokens in the HCA layer, every 4 in the CSA layer, whose indexer keeps its
+    # own), the tokens of the window not closed yet and CSA's last window, which kvpass leaves in bf16.
+    # The estimate had counted 2 full-attention layers of 2 KV heads' K and V: 23,808 kv4 bytes at 70
+    # tokens for the 28,856 held, and 307,200 fp16 bytes at 300 tokens for 40,704.
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import kvpass
+    from kvpass.coverage import tiny_config
+    from kvpass.packed import PackedKV
+
+    config = tiny_config("deepseek_v4")
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=kvpass.kv4())
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        step(input_ids=torch.randint(3, 200, (2, prompt)), past_key_values=cache, use_cache=True)
+    assert all(isinstance(layer.keys, PackedKV) and layer.values is layer.keys for layer in cache.layers)
+    state = sum(t.numel() * t.element_size() for layer in cache.layers for name in estimate.DEEPSEEK_V4_STATE
+                for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip
+    stored = state + sum(layer.keys.stored_bytes() for layer in cache.layers)
+    fp16 = state + sum(layer.keys.numel() * 2 for layer in cache.layers)
+    assert (stored, fp16) == (kv_cache_bytes(config, "kv4", prompt, batch=2), kv_cache_bytes(config, "fp16", prompt, batch=2))
+    assert any("DeepSeek-V4: each layer's sliding window holds K and V as one tensor" in n for n in kv_sizes(config).notes)
+
+
 def test_k_layer_bits_are_refused_for_an_mla_latent():
     from kvpass.coverage import tiny_config
 
