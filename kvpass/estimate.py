@@ -326,10 +326,11 @@ def kv_cache_bytes(
         kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
         return compressed + batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
                                         for kind in kinds)  # fmt: skip
+    slots = 1 if sizes.one_tensor else 2  # K's alone where K and V are one tensor
     return compressed + batch * sum(
         _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
-        for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[: 2 - sizes.one_tensor]
+        for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[:slots]
     )
 
 

@@ -389,7 +389,7 @@ def _decode_step_on_cuda(q, k_codes, k_scales, k_residual, v_codes, v_scales, v_
                          scale, *rest):  # fmt: skip
     n = _REFINED_ARGS
     k_args, v_args, tail = rest[:n], rest[n : 2 * n], rest[2 * n :]
-    # softcap, 4 second-plane tensors, sinks and offsets, K's query scales, and the sink where given
+    # softcap, the 4 second-plane tensors, the fp heads and offsets, K's query scales, an attention sink if given
     softcap, planes, (k_head, k_offset, v_head, v_offset, k_query_scales), sink = (
         tail[0], tail[1:5], tail[5:10], tail[10] if len(tail) > 10 else None
     )  # fmt: skip
