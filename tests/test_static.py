@@ -129,12 +129,10 @@ def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_gra
     assert torch.equal(out.sequences, expected)
 
 
-def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing_prompt_int4():
-    """Beam casts K and V to fp32 before its cache update: a first update longer than the window is
-    copied into the buffer from that cast, which the pass follows to allocate the buffer int4."""
+def _compiled_static_generate(config):
+    """``(generate's output, the backend)``: 4 tokens after a 40-token prompt from a model of ``config``
+    (seed 0) compiled with kv4, through ``cache_implementation="static"``."""
     torch._dynamo.reset()
-    config = tiny_config("beam")
-    assert config.sliding_window < 40 and "sliding_attention" in config.layer_types
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     backend = kvpass.kv4()
@@ -142,6 +140,15 @@ def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing
     out = model.generate(
         _prompt(40), max_new_tokens=4, do_sample=False, cache_implementation="static", return_dict_in_generate=True
     )
+    return out, backend
+
+
+def test_sliding_layer_that_upcasts_before_its_cache_update_keeps_an_overflowing_prompt_int4():
+    """Beam casts K and V to fp32 before its cache update: a first update longer than the window is
+    copied into the buffer from that cast, which the pass follows to allocate the buffer int4."""
+    config = tiny_config("beam")
+    assert config.sliding_window < 40 and "sliding_attention" in config.layer_types
+    out, backend = _compiled_static_generate(config)
     assert all(isinstance(t, PackedKV) for layer in out.cache.layers for t in (layer.keys, layer.values))
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and all(site.rewritten for site in sites)
@@ -151,16 +158,9 @@ def test_buffers_that_later_layers_read_are_allocated_int4_once():
     """Gemma 3n's layers 2 and 3 read the K/V of layers 0 and 1: the first graph's sites over one buffer
     allocate it int4 once (a second site packing its erased allocation again broke the graph's order), and
     the sliding layer's prompt, over its window, is copied in."""
-    torch._dynamo.reset()
     config = tiny_config("gemma3n_text")
     assert config.sliding_window < 40 and config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    backend = kvpass.kv4()
-    model.compile(backend=backend)
-    out = model.generate(
-        _prompt(40), max_new_tokens=4, do_sample=False, cache_implementation="static", return_dict_in_generate=True
-    )
+    out, backend = _compiled_static_generate(config)
     layers = out.cache.layers
     assert all(isinstance(t, PackedKV) for layer in layers[:2] for t in (layer.keys, layer.values))
     assert backend.graphs[0].after.count("kv4_zeros(") == 4
