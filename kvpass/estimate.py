@@ -718,8 +718,9 @@ def describe(
             for f in FORMATS
         ),
         f"kv4: K {k_bits:g} bits/element ({k_scale} scale bits per {k_span} {k_unit}), "
-        f"V {v_bits:g} bits/element ({v_scale} scale bits per {v_span} channels per token), " + extras
-        + "fp8/int8 without scales",
+        + ("V is K's tensor, " if sizes.one_tensor else
+           f"V {v_bits:g} bits/element ({v_scale} scale bits per {v_span} channels per token), ") + extras
+        + "fp8/int8 without scales",  # fmt: skip
         *overrides,
         *sizes.notes,
     ]

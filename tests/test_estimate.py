@@ -601,7 +601,9 @@ def test_deepseek_v4s_estimate_is_its_one_kv_tensor_and_its_compressors_state(pr
     stored = state + sum(layer.keys.stored_bytes() for layer in cache.layers)
     fp16 = state + sum(layer.keys.numel() * 2 for layer in cache.layers)
     assert (stored, fp16) == (kv_cache_bytes(config, "kv4", prompt, batch=2), kv_cache_bytes(config, "fp16", prompt, batch=2))
-    assert any("DeepSeek-V4: each layer's sliding window holds K and V as one tensor" in n for n in kv_sizes(config).notes)
+    header = estimate.describe(kv_sizes(config))
+    assert "DeepSeek-V4: each layer's sliding window holds K and V as one tensor" in header
+    assert "V is K's tensor" in header and "query scales" not in header  # read as V too: stored unscaled
 
 
 def test_k_layer_bits_are_refused_for_an_mla_latent():
