@@ -2,11 +2,11 @@
 rewrites (``docs/coverage.json``), or those named.
 
 Each type, shrunk as ``kvpass coverage`` shrinks it and cast to bf16 (fp32 where bf16 fails), is compiled
-with kv4 and given a 70-token prompt at batch 2 in a subprocess of its own; a row compares the cache's
-stored kv4 bytes and their fp16 size with :func:`kvpass.estimate.kv_cache_bytes` for the same config,
-context and batch. A type this plain forward cannot drive is a row with the error.
+with kv4 and given a prompt (``--prompt`` tokens, 70 by default) at batch 2 in a subprocess of its own; a
+row compares the cache's stored kv4 bytes and their fp16 size with :func:`kvpass.estimate.kv_cache_bytes`
+for the same config, context and batch. A type this plain forward cannot drive is a row with the error.
 
-    python benchmarks/estimate_sweep.py [TYPE ...] [--jobs 2] [--timeout 240]
+    python benchmarks/estimate_sweep.py [TYPE ...] [--prompt 70] [--jobs 2] [--timeout 240]
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROMPT, BATCH = 70, 2
+BATCH = 2
 # Transformers' Inkling2 does not run in bf16 (a float matmul meets a bf16 weight). The estimate costs a 16-bit
 # model's unquantized tokens, and past 64 prompt tokens no K waits unquantized, so fp32 stores the same bytes.
 FLOAT32_TYPES = {"inkling2_text", "inkling2_loop_text"}
 
 
-def measure(model_type: str) -> dict:
+def measure(model_type: str, prompt: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -38,7 +38,7 @@ def measure(model_type: str) -> dict:
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     step = torch.compile(model, backend=kvpass.kv4())
     vocab = min(config.get_text_config(decoder=True).vocab_size or 256, 256)
-    ids = torch.randint(3, vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, vocab, (BATCH, prompt), generator=torch.Generator().manual_seed(0))
     # The cache as passed: models that return it elsewhere (recurrent_gemma) or not at all (the BERT family
     # as decoders) still fill it.
     cache = DynamicCache(config=model.config)
@@ -54,16 +54,16 @@ def measure(model_type: str) -> dict:
                 for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip
     return {
         "stored": state + sum(t.stored_bytes() for t in tensors),
-        "estimate": kv_cache_bytes(config, "kv4", PROMPT, BATCH),
+        "estimate": kv_cache_bytes(config, "kv4", prompt, BATCH),
         "fp16": state + sum(t.numel() * 2 for t in tensors),
-        "fp16 estimate": kv_cache_bytes(config, "fp16", PROMPT, BATCH),
+        "fp16 estimate": kv_cache_bytes(config, "fp16", prompt, BATCH),
     }
 
 
-def row(model_type: str, timeout: float) -> str:
+def row(model_type: str, prompt: int, timeout: float) -> str:
     try:
-        out = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
-                             timeout=timeout)  # fmt: skip
+        out = subprocess.run([sys.executable, __file__, "--one", model_type, "--prompt", str(prompt)],
+                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         return f"| {model_type} | over {timeout:g} s |"
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
@@ -80,13 +80,14 @@ def row(model_type: str, timeout: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("types", nargs="*", help="model types (default: every one docs/coverage.json rewrites)")
+    parser.add_argument("--prompt", type=int, default=70, help="prompt tokens (the context estimated)")
     parser.add_argument("--jobs", type=int, default=2, help="subprocesses at once")
     parser.add_argument("--timeout", type=float, default=240, help="seconds a type")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's type
     args = parser.parse_args()
     if args.one:
         try:
-            print(json.dumps(measure(args.one)))
+            print(json.dumps(measure(args.one, args.prompt)))
         except Exception as err:  # noqa: BLE001 - the row's finding
             print(json.dumps({"error": f"{type(err).__name__}: {str(err).splitlines()[0][:150] if str(err) else ''}"}))
         return
@@ -94,7 +95,7 @@ def main() -> None:
     types = args.types or [r["model_type"] for r in matrix["rows"] if r["status"] == "rewritten"]
     print("| model type | kv4 stored | kv4 estimate | fp16 | fp16 estimate | the same |\n|---|---|---|---|---|---|")
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for line in pool.map(lambda t: row(t, args.timeout), types):
+        for line in pool.map(lambda t: row(t, args.prompt, args.timeout), types):
             print(line, flush=True)
 
 
