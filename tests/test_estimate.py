@@ -541,8 +541,8 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
 
 
 def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
-    # Gemma 3n and Gemma 4 share the last num_kv_shared_layers' K/V; the estimate had costed them
-    # as layers of their own (twice what this model stores).
+    # Gemma 3n's last num_kv_shared_layers (and Gemma 4's, where its config sets them) read earlier layers'
+    # K/V; the estimate had costed them as layers of their own (twice what this model stores).
     import types
 
     import torch
