@@ -1726,7 +1726,8 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         k_spec = site_config.k
         uses = ["query scales"] if k_spec.query_scaled and (k.past is None or k_spec.defer_prefix) else []
         uses += ["query rounding"] if k_spec.query_rounded and k.node is not v.node else []
-        if uses and not _is_static(k):
+        # A write an earlier site read is stored already, with that site's query: nothing to say here.
+        if uses and not _is_static(k) and k.node not in shared.packed:
             query, why = _scales_query(attn, k, v, order)
             if query is None:
                 notes.append(f"K is stored without {' and '.join(uses)}: {why}")

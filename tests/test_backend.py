@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from kvpass import debug, passes
+from kvpass import debug, passes, reference
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
@@ -528,6 +528,9 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits(caplog):
     assert re.search(r"appends apart from its attention: cache write \w+ has other readers", caplog.text)
     notes = {site.module: site.reason for site in decode.sites}
     assert "keeps its K spec int8:" in notes["model.layers.2.self_attn"]
+    # The readers' queries come after the writes, which their writers stored with query scales already.
+    assert reference.fixed_or_none(out.past_key_values.layers[1].keys.query_scales) is not None
+    assert not any("K is stored without" in why for why in notes.values())
     # Layer 0 keeps its own spec; its window (31 tokens kept) is under the 64 a short prompt's K waits for.
     assert notes["model.layers.0.self_attn"] == ("K's sliding window keeps 31 tokens, under the 64 its prefix "
                                                  "waits for: from a shorter prompt on, its K stays unquantized")
