@@ -141,6 +141,13 @@ def test_specs_whose_groups_are_no_byte_runs_of_a_head_keep_its_flat_dimension()
     assert cpu_steps._inner_dims(64, channels) == cpu_steps._inner_dims(64, spanning) == (64,)
 
 
+@pytest.mark.parametrize("version, compiles", [("2.11.0", False), ("2.12.1+cu126", False), ("2.13.0", True),
+                                               ("2.13.0+cpu", True), ("2.14.0.dev20261201", True)])  # fmt: skip
+def test_the_compiled_path_is_on_by_default_from_torch_2_13(version, compiles):
+    # Under 2.11's Inductor a rotated spec's codes and scales were not the reference's (the module's note).
+    assert cpu_steps._compiles_by_default(version) is compiles
+
+
 def test_equal_specs_share_one_compiled_graph(compiled_steps):
     # Equal specs need not be one object (a spec built apart, a copy): the graph guards on values.
     x = torch.randn(2, 3, 1, 64)
