@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from isolated import last_line  # benchmarks/, beside this script
 
 BATCH = 2
 # Transformers' Inkling2 does not run in bf16 (a float matmul meets a bf16 weight). The estimate costs a 16-bit
@@ -61,15 +61,11 @@ def measure(model_type: str, prompt: int) -> dict:
 
 
 def row(model_type: str, prompt: int, timeout: float) -> str:
-    try:
-        out = subprocess.run([sys.executable, __file__, "--one", model_type, "--prompt", str(prompt)],
-                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"| {model_type} | over {timeout:g} s |"
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return f"| {model_type} | {(out.stderr.strip().splitlines() or ['no output'])[-1][:150]} |"
-    found = json.loads(lines[-1])
+    line, why = last_line([__file__, "--one", model_type, "--prompt", str(prompt)], timeout,
+                          lambda line: line.startswith("{"))  # fmt: skip
+    if line is None:
+        return f"| {model_type} | {why} |"
+    found = json.loads(line)
     if "error" in found:
         return f"| {model_type} | {found['error']} |"
     same = found["stored"] == found["estimate"] and found["fp16"] == found["fp16 estimate"]

@@ -30,13 +30,12 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import subprocess
-import sys
 import time
 import unittest.mock
 from pathlib import Path
 
 import torch
+from isolated import last_line  # benchmarks/, beside this script
 
 from kvpass import coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
@@ -100,15 +99,9 @@ def compare(name: str, tokens: int, from_coverage: bool) -> str:
 
 def compare_isolated(name: str, tokens: int, timeout: float) -> str:
     """:func:`compare` of a coverage type in a subprocess: a type that crashes or hangs says so in its row."""
-    try:
-        done = subprocess.run([sys.executable, __file__, "--one", name, "--tokens", str(tokens)],
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"{name:<24} timed out after {timeout:.0f} s"
-    rows = [line for line in done.stdout.splitlines() if line.startswith(name)]
-    if done.returncode or not rows:
-        return f"{name:<24} failed: {(done.stderr.strip().splitlines() or ['no output'])[-1][:160]}"
-    return rows[-1]
+    line, why = last_line([__file__, "--one", name, "--tokens", str(tokens)], timeout,
+                          lambda line: line.startswith(name))  # fmt: skip
+    return line if line is not None else f"{name:<24} failed: {why}"
 
 
 def main() -> None:
