@@ -56,14 +56,14 @@ STEP_TOKENS = 1
 # stands for an attention sink's logit (GPT-OSS's, passes.py), whose column the mask holds.
 ATTENDED_NEW_TOKENS = (STEP_TOKENS, STEP_TOKENS + 1)
 
-# Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
-# tests of this module turn it on and compare with the eager reference. Off before torch 2.13:
-# under 2.11's Inductor a rotated spec's codes and scales were not the reference's (2 of 864 code
-# bytes, 3 of 27 scales, one decode step of 9 x 3 heads), and the eager path costs only time.
 def _compiles_by_default(torch_version: str) -> bool:
     return torch.torch_version.TorchVersion(torch_version) >= (2, 13)
 
 
+# Off in the test suite (tests/conftest.py), where hundreds of shapes would each compile; the
+# tests of this module turn it on and compare with the eager reference. Off before torch 2.13:
+# under 2.11's Inductor a rotated spec's codes and scales were not the reference's (2 of 864 code
+# bytes, 3 of 27 scales, one decode step of 9 x 3 heads), and the eager path costs only time.
 enabled = _compiles_by_default(torch.__version__)
 # Whether a decode step's attention takes the fused form; off within reference_attention().
 fused_attention = True
