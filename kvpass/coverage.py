@@ -582,6 +582,10 @@ def merged(saved: dict, rerun: list[dict], command: str) -> tuple[list[dict], li
     return list(by_type.values()), [*saved["commands"], command]
 
 
+# How a page :func:`markdown` writes begins, and its line naming the commands: :func:`page_notes` reads between.
+PAGE_TITLE, MADE_BY = "# Support matrix", "Made by `"
+
+
 def markdown(rows: list[dict], summary: dict, commands: list[str], notes: str = "") -> str:
     """The support matrix page; ``commands`` made its rows, each later one rerunning the types it names.
     ``notes``: paragraphs for the top of the page (what each rerun was for, :func:`page_notes`)."""
@@ -592,10 +596,10 @@ def markdown(rows: list[dict], summary: dict, commands: list[str], notes: str = 
     share = "" if summary["fraction"] is None else f" ({summary['fraction']:.0%})"
     reruns = " (each later command ran the types it names, replacing or adding their rows)" if len(commands) > 1 else ""
     lines = [
-        "# Support matrix",
+        PAGE_TITLE,
         "",
         *([notes, ""] if notes else []),
-        f"Made by `{made_by}`{reruns} with torch {torch.__version__} and transformers {transformers.__version__}.",
+        f"{MADE_BY}{made_by}`{reruns} with torch {torch.__version__} and transformers {transformers.__version__}.",
         "Each model type's default config shrunk to 2 layers (one per kind, up to 4, where layers mix kinds;",
         f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
         f"a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
@@ -632,7 +636,7 @@ def page_notes(page: Path) -> str:
     if not page.exists():
         return ""
     text = page.read_text()
-    title, made_by = "# Support matrix\n", "\nMade by `"
+    title, made_by = f"{PAGE_TITLE}\n", f"\n{MADE_BY}"
     if not text.startswith(title) or made_by not in text:
         return ""
     return text[len(title) : text.index(made_by)].strip()

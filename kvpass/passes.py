@@ -1544,9 +1544,10 @@ def _absorb_site(graph: fx.Graph, report: SiteReport, site: fx.Node) -> None:
     counters["absorbed_latent_site"] += 1
 
 
-def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> None:
-    """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed."""
-    reads, phase, left = {}, "prefill", {}
+def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> set[int]:
+    """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed. Returns
+    the indices of the unmatched sites it found reading a latent it left fp16 (their reasons say why)."""
+    reads, phase, left, over_fp16_latents = {}, "prefill", {}, set()
     for node in list(graph.nodes):
         if node in shared.packed or node in shared.buffers:
             continue  # a write some site rewrote (a sliding layer's roll stays a copy_)
@@ -1588,6 +1589,8 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
                         if cache_layer == layer and _has_ancestor(site, {cache})), None)  # fmt: skip
             if why is not None:
                 report.reason = f"attends over K/V projected from a latent cache left fp16: {why}"
+                over_fp16_latents.add(report.index)
+    return over_fp16_latents
 
 
 def _for_head_dims(config: KVConfig, k: _CacheWrite, v: _CacheWrite, notes: list[str]) -> KVConfig:
@@ -1741,12 +1744,12 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, order, query, mask, fills_pads)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
-    _rewrite_latent_caches(graph, config, shared, [(report, node) for report, node, *_ in unmatched])
+    over_fp16_latents = _rewrite_latent_caches(graph, config, shared, [(report, node) for report, node, *_ in unmatched])
     for report, _, no_match, reads_no_cache in unmatched:
         if report.rewritten:
             continue
         # Last: a site projected from a latent (above) may read only the new tokens its cache stores.
-        if report.reason == no_match and reads_no_cache:
+        if reads_no_cache and report.index not in over_fp16_latents:
             report.phase = NO_CACHE
             report.reason = f"reads no KV cache: K and V descend from nothing kept between forwards ({no_match})"
             log.debug("kvpass: site %d (%s, %s) %s", report.index, report.module, report.form, report.reason)

@@ -122,6 +122,7 @@ def documented_commands():
     for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         language = None  # outside a fenced block
         for number, line in enumerate(path.read_text().splitlines(), 1):
+            line = line.strip()  # a fence in a list item is indented with it
             if line.startswith("```"):
                 language = line[3:].strip() if language is None else None
             elif language in ("", "bash") and ("kvpass" in line or "benchmarks/" in line):
