@@ -1555,8 +1555,14 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if not (static or (_is_sequence_cat(node) and _is_stored(node))):
             continue
         cache = node.args[0] if static else node
-        if _read_directly_by_attention(_read_by_readers(node) if static else cache):
+        read = _read_by_readers(node) if static else cache
+        if _read_directly_by_attention(read):
             continue  # an attention form that did not match reads it: that site says why
+        if all(user is node or user.op == "output" or _is_stored_sequence_slice(user) for user in read.users):
+            # A latent's whole cache is read by the step that writes it; a history only kept is not
+            # (QuantizedCache's fp residual, which its next step reads beside its quantized tokens).
+            log.debug("kvpass: cache %s stays as it is: nothing in this graph reads it", cache.name)
+            continue
         try:
             if static:
                 readers, has_past = _pack_static_latent(graph, node, config)

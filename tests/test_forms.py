@@ -267,6 +267,31 @@ def test_only_caches_read_through_projections_become_latent(projected):
     torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_a_quantized_cache_the_user_chose_is_left_as_it_is(caplog):
+    # QuantizedCache keeps its newest tokens in an fp residual: a sequence cat the step only stores, and
+    # the next step reads beside its quanto tokens. Taken for a latent, it had been packed int4 (quantized
+    # twice, the next step's reads dequantized outside the graph) while every site said it stayed fp16.
+    from kvpass.models_zoo import build
+
+    torch._dynamo.reset()
+    model = build("llama")
+    settings = dict(max_new_tokens=6, do_sample=False, cache_implementation="quantized", return_dict_in_generate=True,
+                    cache_config={"backend": "quanto", "nbits": 4, "q_group_size": 16, "residual_length": 3})  # fmt: skip
+    ids = torch.arange(3, 43)[None]
+    expected = model.generate(ids, **settings)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        got = model.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    held = [t for layer in got.past_key_values.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    assert held and not any(isinstance(t, PackedKV) for t in held)
+    assert "no int4 implementation" not in caplog.text
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and not any(site.rewritten for site in sites)
+
+
 def _gemma2(**attention):
     from kvpass.models_zoo import build
 
