@@ -1545,8 +1545,9 @@ def _absorb_site(graph: fx.Graph, report: SiteReport, site: fx.Node) -> None:
 
 
 def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWrites, unmatched) -> set[int]:
-    """Store caches no attention reads directly (MLA latents) int4; relabel the sites they feed. Returns
-    the indices of the unmatched sites it found reading a latent it left fp16 (their reasons say why)."""
+    """Store caches that the graph reads, but no attention directly (MLA latents), int4; relabel the sites
+    they feed. Returns the indices of the unmatched sites it found reading a latent it left fp16 (their
+    reasons say why)."""
     reads, phase, left, over_fp16_latents = {}, "prefill", {}, set()
     for node in list(graph.nodes):
         if node in shared.packed or node in shared.buffers:
