@@ -291,6 +291,14 @@ def _tiles(chain: list[fx.Node]) -> int:
     return 1
 
 
+def _computed(node: fx.Node) -> str:
+    """``name = op(inputs)`` for a reason: what a node computes, by the names the graph diff shows."""
+    if node.op not in ("call_function", "call_method"):
+        return f"{node.name} ({node.op})"
+    inputs = ", ".join(n.name for n in node.all_input_nodes)
+    return f"{node.name} = {getattr(node.target, '__name__', node.target)}({inputs})"
+
+
 def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     root, chain = _walk_view_chain(arg)
     if _is_sequence_prefix(root):
@@ -309,7 +317,7 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
         return _CacheWrite(copy, copy.args[0], stored, chain, reads_new=True)
     if not _is_sequence_cat(root):
         raise NoMatch(
-            f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {root.format_node()}"
+            f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {_computed(root)}"
         )
     extra = None
     if not _is_stored(root) and _is_sequence_cat(root.args[0][0]) and _is_stored(root.args[0][0]):

@@ -290,6 +290,8 @@ def test_a_quantized_cache_the_user_chose_is_left_as_it_is(caplog):
     assert "no int4 implementation" not in caplog.text
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and not any(site.rewritten for site in sites)
+    # A decode step's site says why: its K joins the quanto tokens, the residual and the new ones.
+    assert any(re.search(r"it is \w+ = cat\(\w+, \w+, \w+\)$", site.reason) for site in sites)
 
 
 def _gemma2(**attention):
