@@ -292,7 +292,8 @@ def _tiles(chain: list[fx.Node]) -> int:
 
 
 def _computed(node: fx.Node) -> str:
-    """``name = op(inputs)`` for a reason: what a node computes, by the names the graph diff shows."""
+    """``name = op(inputs)`` for a reason: what a node computes, by the graph's node names (the debug diff
+    shortens Dynamo's input names)."""
     if node.op not in ("call_function", "call_method"):
         return f"{node.name} ({node.op})"
     inputs = ", ".join(n.name for n in node.all_input_nodes)

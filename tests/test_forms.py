@@ -285,7 +285,7 @@ def test_a_quantized_cache_the_user_chose_is_left_as_it_is(caplog):
     with caplog.at_level(logging.WARNING, logger="kvpass"):
         got = model.generate(ids, **settings)
     assert torch.equal(got.sequences, expected.sequences)
-    held = [t for layer in got.past_key_values.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    held = [t for layer in got.cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
     assert held and not any(isinstance(t, PackedKV) for t in held)
     assert "no int4 implementation" not in caplog.text
     sites = [site for graph in backend.graphs for site in graph.sites]
