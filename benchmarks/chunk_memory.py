@@ -25,6 +25,7 @@ import torch
 
 from kvpass import bench, packed
 from kvpass.bench import memory
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import KVConfig
 from kvpass.packed import PackedKV
 
@@ -92,7 +93,7 @@ def fill(batch: int, context: int) -> None:
     with torch.no_grad():
         for start in range(0, context, chunk):
             ids = torch.randint(2, model.config.vocab_size, (batch, chunk), generator=gen)
-            cache = step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+            cache = returned_cache(step(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1))
             chunk_index[0] = start // chunk + 1
     done.set()
     sampler.join()

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpass import cpu_steps, graph_ops, ops, packed, reference, text_data
+from kvpass.cache_argument import cache_arg
 from kvpass.models_zoo.real_model import load_model
 
 spent, calls = collections.Counter(), collections.Counter()
@@ -56,14 +57,14 @@ def timed(module, name: str) -> None:
 def step_ms(forward, prompt: torch.Tensor, steps: int) -> tuple[list[float], DynamicCache]:
     """Milliseconds of each of ``steps`` greedy decode steps after ``prompt`` (and 5 untimed ones), and the cache."""
     cache = DynamicCache()
-    token = forward(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    token = forward(input_ids=prompt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     for _ in range(5):
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     spent.clear(), calls.clear()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
         times.append(1e3 * (time.perf_counter() - start))
     return times, cache
 

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from kvpass import cpu_steps
 from kvpass.backend import kv4_backend
 from kvpass.bench import build_model
+from kvpass.cache_argument import cache_arg
 
 
 def input_symbols(example_inputs) -> int:
@@ -48,12 +49,12 @@ def main() -> None:
 
     forward = torch.compile(model, backend=counting)
     cache = DynamicCache()
-    token = forward(input_ids=torch.randint(0, model.config.vocab_size, (1, args.prompt)), past_key_values=cache,
+    token = forward(input_ids=torch.randint(0, model.config.vocab_size, (1, args.prompt)), **cache_arg(cache),
                     use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
     total = time.perf_counter()
     for step in range(args.steps):
         before, start = len(graphs), time.perf_counter()
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
         if len(graphs) > before:
             print(f"step {step}: {time.perf_counter() - start:.1f} s, graphs taking {graphs[before:]} symbols")
     print(f"{args.steps} decode steps after {args.prompt} tokens, {args.layers} layers: "

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpass import packed, text_data
+from kvpass.cache_argument import cache_arg
 from kvpass.models_zoo.real_model import load_model
 
 trims = []  # seconds of each trim
@@ -47,16 +48,16 @@ def main() -> None:
     prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
     forward = torch.compile(model, backend="kv4")
     cache = DynamicCache()
-    token = forward(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    token = forward(input_ids=prompt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     print(f"prefill of {prompt.shape[1]} tokens: {len(trims)} trims, {1e3 * sum(trims):.0f} ms")
     for _ in range(args.warmup):
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     steps = []
     stats = torch._dynamo.utils.counters["stats"]  # unique_graphs: every graph Dynamo compiled
     for _ in range(args.steps):
         before, graphs_before = len(trims), stats["unique_graphs"]
         start = time.perf_counter()
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
         steps.append((1e3 * (time.perf_counter() - start), trims[before:], stats["unique_graphs"] - graphs_before))
     median = statistics.median(ms for ms, _, _ in steps)
     print(f"{args.steps} decode steps after {prompt.shape[1] + 1 + args.warmup} tokens, {torch.get_num_threads()} "

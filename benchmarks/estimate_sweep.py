@@ -29,6 +29,7 @@ def measure(model_type: str, prompt: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     import kvpass
+    from kvpass.cache_argument import cache_arg
     from kvpass.coverage import tiny_config
     from kvpass.estimate import DEEPSEEK_V4_STATE, kv_cache_bytes
     from kvpass.packed import PackedKV
@@ -43,7 +44,7 @@ def measure(model_type: str, prompt: int) -> dict:
     # as decoders) still fill it.
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        step(input_ids=ids, **cache_arg(cache), use_cache=True)
     # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D, K and V one tensor in
     # DeepSeek-V4's layers (counted once), beside its compressors' state, which stays in bf16.
     tensors = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))

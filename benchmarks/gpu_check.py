@@ -18,6 +18,7 @@ import traceback
 import torch
 
 from kvpass import reference
+from kvpass.cache_argument import cache_arg
 from kvpass.config import KVConfig, QuantSpec
 
 # Same tolerances, for the same reasons, as tests/test_kernels.py: operands rounded to the
@@ -357,7 +358,7 @@ def check_cuda_graph_decode() -> bool:
             cache = StaticCache(model.config, max_cache_len=128)
             torch.cuda.synchronize()
             start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=48, do_sample=False, past_key_values=cache)
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, **cache_arg(cache))
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
             peaks.append(torch.cuda.max_memory_allocated())

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import warnings
 
 import torch
 from transformers import DynamicCache
 
 import kvpass
 from kvpass import arguments, text_data
+from kvpass.cache_argument import cache_arg
 from kvpass.eval import NLL_BLOCK, paired_delta_se, tokenize_text
 from kvpass.models_zoo.real_model import load_model
 
@@ -50,14 +50,14 @@ def continuation_nll_blocks(model, backend, ids, prefix, prompt, continuation, c
             prompts, mask, rest, row = b[None, :prompt], torch.ones(1, prompt, dtype=torch.long), b[None, prompt:], 0
         cache = DynamicCache(config=model.config)
         positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate places pads
-        out = step(input_ids=prompts, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out = step(input_ids=prompts, attention_mask=mask, position_ids=positions, **cache_arg(cache))
         token_nll = []
         for c in range(0, continuation, chunk):
             piece = rest[:, c : c + chunk]
             last = out.logits[:, -1:]
             mask = torch.cat([mask, torch.ones_like(piece)], 1)
             positions = (mask.cumsum(-1) - 1)[:, -piece.shape[1] :]
-            out = step(input_ids=piece, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            out = step(input_ids=piece, attention_mask=mask, position_ids=positions, **cache_arg(cache))
             logits = torch.cat([last, out.logits[:, :-1]], 1)[row].double()
             token_nll.append(-torch.log_softmax(logits, -1).gather(-1, piece[row, :, None])[:, 0])
         token_nll = torch.cat(token_nll)
@@ -78,7 +78,6 @@ def main() -> None:
     if args.prompt >= BESIDE or args.continuation % NLL_BLOCK:
         parser.error(f"--prompt must be under {BESIDE} and --continuation a multiple of {NLL_BLOCK}")
     torch.set_flush_denormal(True)  # as kvpass eval does: float32 subnormals are slow on x86
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     model, tokenizer = load_model(args.model)
     ids = tokenize_text(tokenizer, text_data.load(args.text), 2000 + SPACING * args.windows + BESIDE + args.continuation)
     prefix = tokenizer("", return_tensors="pt").input_ids[0]  # BOS for Gemma; nothing for SmolLM2

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
+from kvpass.cache_argument import cache_arg
 from kvpass.coverage import PROMPT_TOKENS, TWIN_TOLERANCE, tiny_config
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
@@ -42,13 +43,13 @@ def padded_step_error(model_type: str) -> tuple[float, list]:
                 attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], 1),
                 position_ids=positions[:, -1:] + 1, use_cache=True)  # fmt: skip
     compiled, cache = torch.compile(model, backend="kv4"), DynamicCache(config=model.config)
-    compiled(**prompt, past_key_values=cache)
-    got = compiled(**step, past_key_values=cache).logits
+    compiled(**prompt, **cache_arg(cache))
+    got = compiled(**step, **cache_arg(cache)).logits
     config = kvpass.kv4().config
     twin = SimulatedKVCache(model.config, config.k, config.v)
     with observed_queries():
-        model(**prompt, past_key_values=twin)
-        expected = model(**step, past_key_values=twin).logits
+        model(**prompt, **cache_arg(twin))
+        expected = model(**step, **cache_arg(twin)).logits
     keys = [getattr(layer, "keys", None) for layer in cache.layers]
     filled = [k.filled_pads.tolist() for k in keys if isinstance(k, PackedKV)]
     return float((got - expected).abs().max()), filled

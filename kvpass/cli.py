@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from kvpass import arguments, version
+from kvpass.cache_argument import returned_cache
 
 log = logging.getLogger("kvpass")
 
@@ -55,8 +56,7 @@ def run_demo(args) -> None:
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
     seconds = time.perf_counter() - start
 
-    # Newer transformers name the output's cache `cache` and warn on the old `past_key_values`.
-    fp_cache, cache = (o["cache"] if "cache" in o else o.past_key_values for o in (fp_out, out))
+    fp_cache, cache = returned_cache(fp_out), returned_cache(out)
     fp_bytes = sum(t.numel() * 2 for layer in fp_cache.layers for t in (layer.keys, layer.values))
     stored = sum(t.stored_bytes() for layer in cache.layers for t in (layer.keys, layer.values))
     # Only the generated tokens: the prompt is equal by construction.

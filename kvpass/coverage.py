@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from kvpass import arguments, cpu_steps, version
+from kvpass.cache_argument import cache_arg, returned_cache
 
 log = logging.getLogger("kvpass")
 
@@ -346,9 +347,9 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
         with torch.no_grad():
             model.generate(ids, max_new_tokens=4, do_sample=False)
             cache = DynamicCache(config=model.config)
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_arg(cache), use_cache=True)
             # The decode step kv4 is checked on, eagerly first (cpmant fails here without kv4).
-            model(input_ids=nxt, past_key_values=copy.deepcopy(cache), use_cache=True)
+            model(input_ids=nxt, **cache_arg(copy.deepcopy(cache)), use_cache=True)
     except Exception as err:  # noqa: BLE001
         return {**row, "status": "eager generation fails", "reason": _short(err)}
     if not any(isinstance(layer, DynamicLayer) for layer in cache.layers) or cache.get_seq_length() == 0:
@@ -359,8 +360,8 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
         with torch.no_grad():
             step = torch.compile(model, backend=backend)
             cache = DynamicCache(config=model.config)
-            step(input_ids=ids, past_key_values=cache, use_cache=True)
-            got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+            step(input_ids=ids, **cache_arg(cache), use_cache=True)
+            got = step(input_ids=nxt, **cache_arg(cache), use_cache=True).logits
             defaults = backend.config
             # K as kv4 stored it: with V's spec in an MLA latent cache, which nothing attends over as keys.
             # Specs are compared per head width: heads under 32 channels store K and V alike.
@@ -377,8 +378,8 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
                 torch._dynamo.reset()
                 unscaled = kvpass.kv4(**{**settings, "k_query_scaled": False, "k_query_rounded": False})
                 check_step, check = torch.compile(model, backend=unscaled), DynamicCache(config=model.config)
-                check_step(input_ids=ids, past_key_values=check, use_cache=True)
-                got = check_step(input_ids=nxt, past_key_values=check, use_cache=True).logits
+                check_step(input_ids=ids, **cache_arg(check), use_cache=True)
+                got = check_step(input_ids=nxt, **cache_arg(check), use_cache=True).logits
                 expected = _twin_logits(model, ids, nxt, unscaled.config.v if latent else unscaled.config.k,
                                         unscaled.config.v)  # fmt: skip
             model.compile(backend=kvpass.kv4(**settings))
@@ -418,8 +419,8 @@ def _twin_logits(model, ids, nxt, k_spec, v_spec):
 
     reference = SimulatedKVCache(model.config, k_spec, v_spec)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, use_cache=True)
-        return model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+        model(input_ids=ids, **cache_arg(reference), use_cache=True)
+        return model(input_ids=nxt, **cache_arg(reference), use_cache=True).logits
 
 
 def site_status(sites, n_tensors: int, n_packed: int) -> tuple[str, list[str]]:
@@ -482,7 +483,7 @@ def check_routes(model, settings: dict | None = None) -> dict[str, str]:
         except Exception as err:  # noqa: BLE001 - the route's finding
             results[route] = f"fails: {_short(err)}"
             continue
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = returned_cache(out)
         tensors = [t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.numel()]  # fmt: skip
         packed = [t for t in tensors if isinstance(t, PackedKV)]

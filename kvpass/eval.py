@@ -82,13 +82,13 @@ import math
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from kvpass import arguments, cpu_steps, version
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
@@ -339,8 +339,8 @@ def streaming_nll(
     bar = progress_bar(n, desc, progress)
     for start, stop in zip([0, *range(prefill, n, chunk)], [*range(prefill, n, chunk), n]):
         piece = ids[:, start:stop]
-        out = runner.step(input_ids=piece, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = runner.step(input_ids=piece, **cache_arg(cache), use_cache=True)
+        cache = returned_cache(out)
         logits = out.logits.float()
         if prev_last is not None:
             preds = torch.cat([prev_last[:, None], logits[:, :-1]], dim=1)
@@ -377,8 +377,8 @@ def greedy(
     tokens = []
     for step in range(new_tokens):
         ids = prompts if step == 0 else tokens[-1]
-        out = runner.step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = runner.step(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+        cache = returned_cache(out)
         logits = out.logits[:, -1].float()
         tokens.append(logits.argmax(-1, keepdim=True))
         if margins is not None:
@@ -688,7 +688,6 @@ def run(args) -> int:
     from kvpass import text_data
     from kvpass.models_zoo.real_model import load_model
 
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if args.threads:
         torch.set_num_threads(args.threads)
     # SmolLM2's activations run into float32 subnormals, which x86 CPUs handle about 10x slower

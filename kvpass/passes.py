@@ -74,9 +74,10 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
 from kvpass import graph_ops, reference
+from kvpass.cache_argument import cache_name
 from kvpass.config import MIN_EXTRAS_HEAD_DIM, KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 
@@ -268,7 +269,7 @@ def _is_head_chunk(node) -> bool:
         return False
     dim = chunk.kwargs.get("dim", chunk.args[2] if len(chunk.args) > 2 else 0)
     val = _val(chunk.args[0])
-    return dim in (1, -3) and val is not None and val.dim() == 4 and isinstance(val.shape[1], int)
+    return dim in (1, -3) and val is not None and val.dim() == 4
 
 
 def _selected_heads(chain: list[fx.Node]) -> list[int] | None:
@@ -277,10 +278,18 @@ def _selected_heads(chain: list[fx.Node]) -> list[int] | None:
         if _is_head_tiling(node) and _is_head_chunk(node.args[0]):
             part = node.args[0]
             chunk, c = part.args
-            per_chunk = _val(chunk.args[0]).shape[1] // chunk.args[1]
+            per_chunk = _specialized(_val(chunk.args[0]).shape[1]) // chunk.args[1]
             tiles = node.args[1][1] if len(node.args) == 2 else node.args[2]
             return [c * per_chunk + j % per_chunk for j in range(tiles * per_chunk)]
     return None
+
+
+def _specialized(size: int | torch.SymInt) -> int:
+    """A size the rewrite needs as a number (a head count), made one with a guard if it is symbolic.
+    Dynamo makes a model's constants symbolic when another model compiled the same frame before it
+    (every transformers forward runs inside one shared ``deprecate_kwarg`` wrapper, whose automatic
+    dynamic shapes then see a second set of values); the guard makes another count recompile."""
+    return guard_int(size)
 
 
 def _tiles(chain: list[fx.Node]) -> int:
@@ -402,7 +411,7 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
             f"{role} static cache buffer {buffer.name} is fp, allocated before this graph: by a first forward that "
             "ran eagerly (a plain StaticCache under generate's compile_config), or by a compiled one whose site "
             "stayed fp16 (its reason is in that graph's site table); for int4 layers pass "
-            "past_key_values=kvpass.StaticKVCache(model.config, max_cache_len), or call "
+            f"{cache_name()}=kvpass.StaticKVCache(model.config, max_cache_len), or call "
             "kvpass.int4_static_caches(model) before generate(cache_implementation='static')"
         )
     (write,) = writes

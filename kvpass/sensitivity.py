@@ -15,7 +15,6 @@ import json
 import math
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -99,7 +98,6 @@ def run(args) -> int:
     from kvpass.eval import tokenize_text
     from kvpass.models_zoo.real_model import load_model
 
-    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as kvpass eval does: float32 subnormals are slow on x86

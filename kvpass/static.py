@@ -11,7 +11,7 @@ the kv4 pass turns the attention over the buffer into ``kv4::attention``.
 
     cache = kvpass.StaticKVCache(model.config, max_cache_len=4096)
     model.compile(backend="kv4")
-    model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    model.generate(ids, cache=cache, max_new_tokens=256)  # older transformers: past_key_values=cache
 
 ``generate``'s own compile route (``compile_config``) runs the prefill eagerly, in a plain
 ``StaticCache`` built inside ``generate`` (no hook takes a cache class).

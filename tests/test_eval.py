@@ -66,6 +66,24 @@ def test_a_prefill_is_the_first_step_and_scoring_starts_after_it(model):
         kv_eval.streaming_nll(runner, ids, 8, prefill=96)
 
 
+def test_the_commands_forward_loops_pass_the_cache_by_the_name_transformers_takes(model):
+    # transformers 5.24 warns (FutureWarning) on every forward given past_key_values, which its forwards
+    # drop in 5.40; kvpass eval, sensitivity and bench pass the cache by the name the installed release takes.
+    from transformers import DynamicCache
+
+    from kvpass import bench
+
+    ids = _tokens(24)[None]
+    runner = kv_eval.Runner(model, kv_eval.parse_method("fp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _, scored, cache = kv_eval.streaming_nll(runner, ids, 8)
+        continuation = kv_eval.greedy(runner, ids, 3)
+        filled = bench.decode_step(model, bench.fill(model, DynamicCache(), 1, 12, chunk=8, vocab=256), 1)
+    assert scored == 16 and cache.get_seq_length() == 24
+    assert continuation.shape == (1, 3) and filled.get_seq_length() == 13
+
+
 # Sinks, offset, query scales and a deferred prefix need heads of 32 channels or more: the zoo's
 # Llama has 16, kv_heavy_llama 64.
 @pytest.mark.parametrize("variant", ["kv4-kivi", "kv4-rot", "kv4-rot-mse-r56-ks4-kc", "kv4", "kv4-kp96", "kv4-qr"])

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
 from kvpass import version
+from kvpass.cache_argument import cache_arg, returned_cache
 
 # name -> (model dtype, how the cache is held)
 CACHES = {
@@ -29,8 +29,6 @@ CACHES = {
     "quanto-fp32": (torch.float32, "quanto"),
     "fp32-compiled": (torch.float32, "compiled"),
 }
-
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
 
 def bench_config(layers=2, hidden=1024, heads=8, kv_heads=8, head_dim=128, vocab=512, positions=32768):
@@ -88,15 +86,15 @@ def fill(step, cache, batch: int, tokens: int, chunk: int = 256, seed: int = 0, 
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         ids = torch.randint(2, vocab, (batch, n), generator=g).to(device)
-        out = step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = step(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1)
+        cache = returned_cache(out)
     return cache
 
 
 @torch.no_grad()
 def decode_step(step, cache, batch: int, token: int = 7, device="cpu"):
     ids = torch.full((batch, 1), token, dtype=torch.long, device=device)
-    return step(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+    return returned_cache(step(input_ids=ids, **cache_arg(cache), use_cache=True, logits_to_keep=1))
 
 
 def stored_bytes(cache) -> int:
