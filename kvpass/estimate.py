@@ -578,6 +578,7 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             if kind not in _FULL_TYPES:
                 notes.append(f"unknown layer type {kind!r} counted as full attention")
             kinds.append("full")
+    kinds += _loop_cache_layers(cfg, kinds, notes)
     sliding = kinds.count("sliding")
     if sliding and not window:
         notes.append(
@@ -605,6 +606,20 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             f"they stop growing at {window - 1} tokens (the window less the next token)"
         )
     return tuple(kinds), (window if sliding else None)
+
+
+def _loop_cache_layers(cfg: Any, kinds: list[str], notes: list[str]) -> list[str]:
+    """The cache layers a looped section adds: Dory runs its recurrent layers ``n_recurrent_loops`` times,
+    and in its ``per_loop`` mode each loop after the first writes copies of their caches, appended after
+    the model's layers (``"last_loop"`` keeps one cache a layer)."""
+    loops = _get(cfg, "n_recurrent_loops")
+    if not loops or loops < 2 or _get(cfg, "recurrent_kv_cache_mode") != "per_loop":
+        return []
+    start = _get(cfg, "n_input_layers") or 0
+    looped = kinds[start : start + _require(cfg, "recurrent layer count", "n_recurrent_layers")]
+    notes.append(f"recurrent loops: layers {_ranges(list(range(start, start + len(looped))))} run {loops} times, "
+                 f"each loop with caches of its own: {len(looped) * (loops - 1)} more cache layers")  # fmt: skip
+    return looped * (loops - 1)
 
 
 def _compressors(cfg: Any, head_dim: int) -> tuple[Compressor, ...]:
