@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from kvpass import ops
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.packed import PackedKV
 
 
@@ -72,12 +73,12 @@ def packed_and_fp16_bytes(cache, unwritten=()):
 def greedy_forward_loop(step, ids, new_tokens, cache=None):
     """Greedy decoding by calling the (compiled) model's forward, as a serving loop does."""
     cache = DynamicCache() if cache is None else cache
-    out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = step(input_ids=ids, **cache_arg(cache), use_cache=True)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     for _ in range(new_tokens - 1):
-        out = step(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = step(input_ids=tokens[-1], **cache_arg(returned_cache(out)), use_cache=True)
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-    return torch.cat([ids, *tokens], dim=1), out.past_key_values
+    return torch.cat([ids, *tokens], dim=1), returned_cache(out)
 
 
 @torch.no_grad()
@@ -89,8 +90,8 @@ def latent_decode(model, ids, cache, steps=3):
 
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = [step(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(steps)]
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
+    got = [step(input_ids=ids[:, i : i + 1], **cache_arg(cache), use_cache=True).logits for i in range(steps)]
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert all(site.rewritten for site in sites) and {s.phase for s in sites} == {"prefill", "latent"}
     stored, fp16 = packed_and_fp16_bytes(cache)

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 import kvpass
 from kvpass import debug, passes, reference
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
@@ -30,7 +31,7 @@ def test_generate_stores_every_layer_packed_in_under_030_of_fp16():
     backend = kvpass.kv4()
     model.compile(backend=backend)
     out = model.generate(_ids(200), max_new_tokens=120, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert cache.get_seq_length() == 319  # the last generated token is never written back
     stored, fp16 = packed_and_fp16_bytes(cache)
     assert stored <= 0.30 * fp16, f"stored {stored} bytes = {stored / fp16:.3f} of fp16"
@@ -51,10 +52,10 @@ def test_small_heads_store_plain_groups_and_say_so(head_dim, kv_heads, ratio, no
     backend = kvpass.kv4()
     model.compile(backend=backend)
     out = model.generate(_ids(70), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
-    stored, fp16 = packed_and_fp16_bytes(out.past_key_values)
+    stored, fp16 = packed_and_fp16_bytes(returned_cache(out))
     notes = [site.reason for g in backend.graphs for site in g.sites]
     if ratio is None:
-        assert any(t.n_head for t in cache_tensors(out.past_key_values))
+        assert any(t.n_head for t in cache_tensors(returned_cache(out)))
         assert not any("no bytes" in note for note in notes)
     else:
         # int4 codes and an fp16 scale per 16 values (at head_dim 8, one token's channels in both KV
@@ -87,12 +88,12 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
 
     reference = SimulatedKVCache(model.config, k_spec, v_spec)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, use_cache=True)
-        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+        model(input_ids=ids, **cache_arg(reference), use_cache=True)
+        expected = model(input_ids=nxt, **cache_arg(reference), use_cache=True).logits
 
     unquantized = DynamicCache()
-    model(input_ids=ids, past_key_values=unquantized, use_cache=True)
-    fp_logits = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits
+    model(input_ids=ids, **cache_arg(unquantized), use_cache=True)
+    fp_logits = model(input_ids=nxt, **cache_arg(unquantized), use_cache=True).logits
 
     backend = kvpass.kv4(
         k_scheme=k_spec.scheme, k_group=k_spec.group, k_rotate=k_spec.rotate, k_symmetric=k_spec.symmetric,
@@ -103,9 +104,9 @@ def test_first_decode_logits_equal_eager_model_with_same_quantizer(k_spec, v_spe
     assert backend.config.k == k_spec and backend.config.v == v_spec
     step = torch.compile(model, backend=backend)
     cache = DynamicCache()
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
     assert isinstance(cache.layers[0].keys, PackedKV)
-    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    got = step(input_ids=nxt, **cache_arg(cache), use_cache=True).logits
 
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     # and the check has teeth: quantization moved the logits measurably
@@ -122,11 +123,11 @@ def test_keys_rounded_from_n_tokens_are_read_as_their_twin_reads_them_after_shor
     appends = [_ids(100, batch=2), *(_ids(n, batch=2, seed=n) for n in (2, 4, 1, 1))]
     twin = SimulatedKVCache(model.config, k_spec, KVConfig().v)
     with observed_queries():
-        expected = [model(input_ids=ids, past_key_values=twin, use_cache=True).logits for ids in appends]
+        expected = [model(input_ids=ids, **cache_arg(twin), use_cache=True).logits for ids in appends]
     backend = kvpass.kv4(k_query_rounded=4)
     assert backend.config.k == k_spec
     step, cache = torch.compile(model, backend=backend), DynamicCache()
-    got = [step(input_ids=ids, past_key_values=cache, use_cache=True).logits for ids in appends]
+    got = [step(input_ids=ids, **cache_arg(cache), use_cache=True).logits for ids in appends]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5)
     assert all(layer.keys.spec.tag.endswith(":qr4") for layer in cache.layers)
@@ -397,7 +398,7 @@ def test_a_deferred_k_prefix_adds_a_graph_while_waiting_and_one_where_it_ends(pr
     model.compile(backend=backend)
     out = model.generate(_ids(prompt), max_new_tokens=80, do_sample=False, return_dict_in_generate=True)
     assert len(backend.graphs) == graphs
-    keys = out.past_key_values.layers[0].keys
+    keys = returned_cache(out).layers[0].keys
     assert keys.n_head == 4 and keys.query_scales.shape[2] == 1 and keys.residual.shape[2] == 0
 
 
@@ -410,10 +411,10 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
     for name, backend in backends.items():
         torch._dynamo.reset()
         step = torch.compile(model, backend=backend)
-        out = step(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        out = step(input_ids=ids, **cache_arg(DynamicCache()), use_cache=True)
         for token in (5,):  # a decode step, fed the same token in every run
-            out = step(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-        caches[name] = out.past_key_values.layers
+            out = step(input_ids=torch.tensor([[token]]), **cache_arg(returned_cache(out)), use_cache=True)
+        caches[name] = returned_cache(out).layers
         assert all(site.rewritten for g in backend.graphs for site in g.sites)
     mixed, default, k8 = caches["mixed"], caches["default"], caches["k8"]
     assert [layer.keys.spec.bits for layer in mixed] == [8, 4]
@@ -435,7 +436,7 @@ def test_query_scaled_keys_take_their_scales_from_the_sites_query():
     step = torch.compile(model, backend=backend)
     ids = _ids(100, batch=2)
     cache = DynamicCache()
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
     heads, head_dim = model.config.num_key_value_heads, model.config.head_dim
     for layer in cache.layers:
         assert layer.keys.query_scales.shape == (2, heads, 1, head_dim) and layer.values.query_scales is None
@@ -448,7 +449,7 @@ def test_query_scaled_keys_take_their_scales_from_the_sites_query():
     torch._dynamo.reset()
     narrow = kvpass.kv4(k_query_scaled=True)
     cache = DynamicCache()
-    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, past_key_values=cache, use_cache=True)
+    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, **cache_arg(cache), use_cache=True)
     assert cache.layers[0].keys.query_scales is None
     assert all("K head_dim 16: stored without query scales" in site.reason for g in narrow.graphs for site in g.sites)
 
@@ -464,9 +465,9 @@ def test_query_rounded_keys_are_handed_their_sites_query_at_every_write():
         torch._dynamo.reset()
         backend = kvpass.kv4(k_query_rounded=rounded)
         step, cache = torch.compile(model, backend=backend), DynamicCache()
-        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        step(input_ids=ids, **cache_arg(cache), use_cache=True)
         for seed in (1, 2, 3):
-            step(input_ids=_ids(1, batch=2, seed=seed), past_key_values=cache, use_cache=True)
+            step(input_ids=_ids(1, batch=2, seed=seed), **cache_arg(cache), use_cache=True)
         caches[rounded] = cache
     assert backend.config.k.query_rounded and not backend.config.v.query_rounded
     assert all(site.rewritten and not site.reason for g in backend.graphs for site in g.sites)
@@ -484,7 +485,7 @@ def test_query_rounded_keys_are_handed_their_sites_query_at_every_write():
     # Heads under 32 channels keep plain groups, and say that K is rounded to nearest.
     torch._dynamo.reset()
     narrow = kvpass.kv4(k_query_rounded=True)
-    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    torch.compile(kv_heavy_llama(head_dim=16), backend=narrow)(input_ids=ids, **cache_arg(DynamicCache()), use_cache=True)
     assert all("K head_dim 16: stored without query scales and query rounding" in site.reason
                for g in narrow.graphs for site in g.sites)  # fmt: skip
 
@@ -517,9 +518,9 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits(caplog):
     caplog.set_level(logging.DEBUG, logger="kvpass")
     backend = kvpass.kv4(k_layer_bits={0: 8})
     step = torch.compile(model, backend=backend)
-    out = step(input_ids=_ids(70), past_key_values=DynamicCache(config=config), use_cache=True)
-    out = step(input_ids=_ids(1), past_key_values=out.past_key_values, use_cache=True)
-    assert [layer.keys.spec.bits for layer in out.past_key_values.layers[:2]] == [8, 4]
+    out = step(input_ids=_ids(70), **cache_arg(DynamicCache(config=config)), use_cache=True)
+    out = step(input_ids=_ids(1), **cache_arg(returned_cache(out)), use_cache=True)
+    assert [layer.keys.spec.bits for layer in returned_cache(out).layers[:2]] == [8, 4]
     decode = backend.graphs[-1]
     reads = [line for line in decode.after.splitlines() if "kv4_sdpa(" in line and "layers_0_keys" in line]
     assert len(reads) == 2 and all("k_spec = 'int8:" in line for line in reads)  # layers 0 and 2
@@ -529,7 +530,7 @@ def test_a_cache_shared_by_later_layers_is_read_with_its_writers_k_bits(caplog):
     notes = {site.module: site.reason for site in decode.sites}
     assert "keeps its K spec int8:" in notes["model.layers.2.self_attn"]
     # The readers' queries come after the writes, which their writers stored with query scales already.
-    assert reference.fixed_or_none(out.past_key_values.layers[1].keys.query_scales) is not None
+    assert reference.fixed_or_none(returned_cache(out).layers[1].keys.query_scales) is not None
     assert not any("K is stored without" in why for why in notes.values())
     # Layer 0 keeps its own spec; its window (31 tokens kept) is under the 64 a short prompt's K waits for.
     assert notes["model.layers.0.self_attn"] == ("K's sliding window keeps 31 tokens, under the 64 its prefix "
@@ -545,10 +546,10 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
         torch._dynamo.reset()
         backend = kvpass.kv4(k_prefix_tokens=prefix_tokens)
         step = torch.compile(model, backend=backend)
-        out = step(input_ids=_ids(90), past_key_values=DynamicCache(config=config), use_cache=True)
+        out = step(input_ids=_ids(90), **cache_arg(DynamicCache(config=config)), use_cache=True)
         for _ in range(10):  # to 100 tokens seen, 99 kept
-            out = step(input_ids=_ids(1), past_key_values=out.past_key_values, use_cache=True)
-        keys = out.past_key_values.layers[0].keys
+            out = step(input_ids=_ids(1), **cache_arg(returned_cache(out)), use_cache=True)
+        keys = returned_cache(out).layers[0].keys
         assert keys._waiting == (prefix_tokens == 128) and keys.shape[2] == 99
         assert (note in backend.graphs[-1].sites[0].reason) == (prefix_tokens == 128)
 
@@ -568,10 +569,10 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
-    step(input_ids=ids[:, :70], past_key_values=cache, use_cache=True)
+    step(input_ids=ids[:, :70], **cache_arg(cache), use_cache=True)
     graphs = {}
     for token in range(70, 130):
-        step(input_ids=ids[:, token : token + 1], past_key_values=cache, use_cache=True)
+        step(input_ids=ids[:, token : token + 1], **cache_arg(cache), use_cache=True)
         graphs[token] = len(backend.graphs)
     assert cache.layers[0].keys.shape[2] == 99 and isinstance(cache.layers[0].keys, PackedKV)
     assert (graphs[70], graphs[98], graphs[99], graphs[100], graphs[129]) == (2, 2, 3, 4, 4)
@@ -602,9 +603,9 @@ def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, hea
             monkeypatch.setattr(packed, "_steps_as_one", lambda *args: False)
         torch._dynamo.reset()
         step, cache = torch.compile(model, backend=kvpass.kv4(**settings)), DynamicCache()
-        logits = [step(input_ids=ids[:, :70], past_key_values=cache, use_cache=True).logits]
+        logits = [step(input_ids=ids[:, :70], **cache_arg(cache), use_cache=True).logits]
         for token in range(70, 73):
-            logits.append(step(input_ids=ids[:, token : token + 1], past_key_values=cache, use_cache=True).logits)
+            logits.append(step(input_ids=ids[:, token : token + 1], **cache_arg(cache), use_cache=True).logits)
         runs[one_op] = logits, cache
     assert len(k_specs) == 2 * 3 and not any(spec.refine for spec in k_specs)  # 3 decode steps of 2 layers
     (logits, cache), (apart_logits, apart_cache) = runs[True], runs[False]
@@ -628,8 +629,8 @@ def test_an_attention_whose_scores_are_read_elsewhere_keeps_its_appends_apart(ca
     caplog.set_level(logging.DEBUG, logger="kvpass")
     backend = kvpass.kv4()
     step, cache = torch.compile(model, backend=backend), DynamicCache(config=model.config)
-    step(input_ids=_ids(70), past_key_values=cache, use_cache=True)
-    step(input_ids=_ids(1), past_key_values=cache, use_cache=True)
+    step(input_ids=_ids(70), **cache_arg(cache), use_cache=True)
+    step(input_ids=_ids(1), **cache_arg(cache), use_cache=True)
     assert isinstance(cache.layers[0].keys, PackedKV) and all(site.rewritten for site in backend.graphs[-1].sites)
     assert "kv4_append(" in backend.graphs[-1].after and "kv4_decode(" not in backend.graphs[-1].after
     assert re.search(r"appends apart from its attention: \w+, of its attention, is read elsewhere too", caplog.text)

@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import DynamicCache
 
 from kvpass import cpu_steps, ops, packed, reference
+from kvpass.cache_argument import cache_arg
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
 from tests.helpers import bits_equal, decode_step_args, hard_values, kv_heavy_llama, same_stored_bits
@@ -373,7 +374,7 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
         torch._dynamo.reset()
         step, cache, token, logits[enabled] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
         for _ in range(4):
-            out = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+            out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
             logits[enabled].append(out)
             token = out.argmax(-1, keepdim=True)
         caches[enabled] = cache
@@ -406,7 +407,7 @@ def test_an_attention_sink_model_decodes_through_the_fused_attention(compiled_st
         step, cache, token, logits[fused] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
         with contextlib.nullcontext() if fused else cpu_steps.reference_attention():
             for _ in range(4):
-                out = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+                out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
                 logits[fused].append(out)
                 token = out.argmax(-1, keepdim=True)
     # 3 decode steps of 2 layers (a sliding one and a full one, whose caches and masks are alike in all
@@ -432,7 +433,7 @@ def test_the_attentions_marks_stay_off_the_models_graphs(monkeypatch):
     step, cache = torch.compile(model, backend="kv4"), DynamicCache()
     token = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
     for _ in range(8):
-        token = step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     assert cache.layers[0].values.fine_codes.shape[2] >= 2
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvpass import estimate
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.estimate import KVSizes, kv_bytes_per_token, kv_cache_bytes, kv_sizes
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -508,8 +509,8 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
     step = torch.compile(model, backend=kvpass.kv4(k_layer_bits=k_layer_bits, **settings))
     ids = torch.randint(3, 200, (2, 70))
     with torch.no_grad():
-        out = step(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    stored, _ = packed_and_fp16_bytes(out.past_key_values)
+        out = step(input_ids=ids, **cache_arg(DynamicCache(config=model.config)), use_cache=True)
+    stored, _ = packed_and_fp16_bytes(returned_cache(out))
     assert stored == kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits, kv4_settings=settings)
     if settings:
         assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
@@ -527,7 +528,6 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     from transformers import AutoModelForCausalLM, DynamicCache
 
     import kvpass
-    from kvpass.cache_argument import cache_arg, returned_cache
     from kvpass.coverage import tiny_config
     from tests.helpers import packed_and_fp16_bytes
 
@@ -560,8 +560,8 @@ def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
     torch._dynamo.reset()
     step = torch.compile(model, backend=kvpass.kv4())
     with torch.no_grad():
-        out = step(input_ids=torch.randint(3, 200, (2, 70)), past_key_values=DynamicCache(config=config), use_cache=True)
-    stored, fp16 = packed_and_fp16_bytes(out.past_key_values, unwritten=[2, 3])
+        out = step(input_ids=torch.randint(3, 200, (2, 70)), **cache_arg(DynamicCache(config=config)), use_cache=True)
+    stored, fp16 = packed_and_fp16_bytes(returned_cache(out), unwritten=[2, 3])
     assert (stored, fp16) == (kv_cache_bytes(config, "kv4", 70, batch=2), kv_cache_bytes(config, "fp16", 70, batch=2))
     sizes = kv_sizes(config)
     assert (sizes.layers, sizes.kinds) == (2, ("sliding", "full", "shared", "shared"))
@@ -597,7 +597,7 @@ def test_deepseek_v4s_estimate_is_its_one_kv_tensor_and_its_compressors_state(pr
     step = torch.compile(model, backend=kvpass.kv4())
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        step(input_ids=torch.randint(3, 200, (2, prompt)), past_key_values=cache, use_cache=True)
+        step(input_ids=torch.randint(3, 200, (2, prompt)), **cache_arg(cache), use_cache=True)
     assert all(isinstance(layer.keys, PackedKV) and layer.values is layer.keys for layer in cache.layers)
     state = sum(t.numel() * t.element_size() for layer in cache.layers for name in estimate.DEEPSEEK_V4_STATE
                 for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip

@@ -12,12 +12,11 @@ import kvpass
 from kvpass import eval as kv_eval
 from kvpass import reference
 from kvpass import text_data
+from kvpass.cache_argument import cache_arg
 from kvpass.config import KVConfig
 from kvpass.coverage import TWIN_TOLERANCE
 from kvpass.models_zoo import build
 from tests.helpers import benchmark_script, kv_heavy_llama, sliding_mistral
-
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
 
 
 @pytest.fixture(scope="module")
@@ -382,16 +381,16 @@ def test_simulated_query_scaled_keys_need_the_queries_observed():
     assert k_spec.query_scaled
     ids, nxt = _tokens(80)[None], torch.tensor([[5]])
     blind = SimulatedKVCache(model.config, k_spec, KVConfig().v)
-    model(input_ids=ids, past_key_values=blind, use_cache=True)
+    model(input_ids=ids, **cache_arg(blind), use_cache=True)
     with pytest.raises(RuntimeError, match=r"no attention call handed them over: run the model inside kvpass"):
-        model(input_ids=nxt, past_key_values=blind, use_cache=True)
+        model(input_ids=nxt, **cache_arg(blind), use_cache=True)
     short = SimulatedKVCache(model.config, k_spec, KVConfig().v)
     for step in (ids[:, :40], nxt):
-        model(input_ids=step, past_key_values=short, use_cache=True)
+        model(input_ids=step, **cache_arg(short), use_cache=True)
     with observed_queries():
         seen = SimulatedKVCache(model.config, k_spec, KVConfig().v)
         for step in (ids, nxt):
-            model(input_ids=step, past_key_values=seen, use_cache=True)
+            model(input_ids=step, **cache_arg(seen), use_cache=True)
         with pytest.raises(RuntimeError, match="already active"), observed_queries():
             pass
     # kvpass eval's sim- methods run the model inside it.

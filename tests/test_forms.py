@@ -142,8 +142,8 @@ def _decode_with_kv4_and_twin(model, backend):
     k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # JetMoE's tiled heads: unscaled
     reference = SimulatedKVCache(model.config, k_spec, config.v)
     with observed_queries():
-        model(**inputs[0], past_key_values=reference, use_cache=True)
-        expected = model(**inputs[1], past_key_values=reference, use_cache=True).logits
+        model(**inputs[0], **cache_arg(reference), use_cache=True)
+        expected = model(**inputs[1], **cache_arg(reference), use_cache=True).logits
     return got, expected, cache
 
 
@@ -227,9 +227,9 @@ def test_mla_latent_cache_is_int4_and_attended_directly():
 
     # Both latents are stored with V's spec: nothing attends over them as keys.
     reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    model(input_ids=ids, **cache_arg(reference), use_cache=True)
     for i, logits in enumerate(got):
-        expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
+        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -240,8 +240,8 @@ def test_k_layer_bits_on_a_latent_cache_say_they_do_not_apply():
     backend = kvpass.kv4(k_layer_bits={1: 8})
     step = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
-    step(input_ids=torch.arange(3, 83)[None], past_key_values=cache, use_cache=True)
-    step(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+    step(input_ids=torch.arange(3, 83)[None], **cache_arg(cache), use_cache=True)
+    step(input_ids=torch.tensor([[5]]), **cache_arg(cache), use_cache=True)
     assert {t.spec.bits for layer in cache.layers for t in (layer.keys, layer.values)} == {4}
     latent = {site.module: site.reason for site in backend.graphs[-1].sites}
     assert latent["model.layers.1.self_attn"].endswith("so this layer's K bits do not apply")
@@ -346,21 +346,21 @@ def test_a_second_model_whose_constants_dynamo_stops_specialising_is_rewritten(f
     torch._dynamo.reset()
     ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(0))
     earlier = first()
-    torch.compile(earlier, backend=kvpass.kv4())(input_ids=ids, past_key_values=DynamicCache(config=earlier.config))
+    torch.compile(earlier, backend=kvpass.kv4())(input_ids=ids, **cache_arg(DynamicCache(config=earlier.config)))
     model = second()
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = step(input_ids=ids[:, :1], past_key_values=cache, use_cache=True).logits
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
+    got = step(input_ids=ids[:, :1], **cache_arg(cache), use_cache=True).logits
     assert all(unspecialised in graph.before for graph in backend.graphs)  # the case this test is for
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and all(site.rewritten for site in sites), [site.reason for site in sites]
 
     reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, use_cache=True)
-        expected = model(input_ids=ids[:, :1], past_key_values=reference, use_cache=True).logits
+        model(input_ids=ids, **cache_arg(reference), use_cache=True)
+        expected = model(input_ids=ids[:, :1], **cache_arg(reference), use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

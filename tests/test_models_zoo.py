@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpass import models_zoo
+from kvpass.cache_argument import returned_cache
 from kvpass.models_zoo import ZOO, build
 from kvpass.models_zoo import real_model
 from tests.helpers import hub_cache
@@ -67,13 +68,13 @@ def test_gqa_and_mqa_where_the_family_uses_them():
 
 @pytest.mark.parametrize("name", SLIDING)
 def test_sliding_window_evicts_within_a_short_prompt(name):
-    cache = build(name)(PROMPT, use_cache=True).past_key_values
+    cache = returned_cache(build(name)(PROMPT, use_cache=True))
     lengths = [layer.keys.shape[-2] for layer in cache.layers]
     assert min(lengths) < PROMPT.shape[1] <= 2 * models_zoo.WINDOW
 
 
 def test_hybrid_mixes_attention_and_state_layers():
-    cache = build("lfm2")(PROMPT, use_cache=True).past_key_values
+    cache = returned_cache(build("lfm2")(PROMPT, use_cache=True))
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert len(kinds) == 2, kinds
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kvpass
+from kvpass.cache_argument import cache_arg
 from kvpass.config import (
     PREFIX_MIN_TOKENS, REFINE_SHARE, ROUNDED_APPEND_TOKENS, SHORT_PREFIX_MIN_TOKENS, KVConfig, QuantSpec,
 )
@@ -321,9 +322,9 @@ def test_compiled_decode_appends_in_place():
     cache = DynamicCache(config=model.config)
     storages = set()
     with torch.no_grad():
-        out = model(torch.arange(2, 22)[None], past_key_values=cache, use_cache=True)
+        out = model(torch.arange(2, 22)[None], **cache_arg(cache), use_cache=True)
         for _ in range(12):
-            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            out = model(out.logits[:, -1:].argmax(-1), **cache_arg(cache), use_cache=True)
             storages.add(_storage(cache.layers[0].keys.codes))
     torch._dynamo.reset()
     assert isinstance(cache.layers[0].keys, PackedKV) and cache.layers[0].keys.shape[2] == 32

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import kvpass
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
@@ -43,11 +44,11 @@ def test_left_padded_batch():
     mask[0, :9], mask[2, :3] = 0, 0
     ids[mask == 0] = 0
     expected = model.generate(
-        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=_simulated(model)
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **cache_arg(_simulated(model))
     )
     model.compile(backend="kv4")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(out.past_key_values.layers[0].keys, PackedKV)
+    assert isinstance(returned_cache(out).layers[0].keys, PackedKV)
     assert torch.equal(out.sequences, expected)
 
 
@@ -67,8 +68,8 @@ def test_a_long_left_padding_decodes_as_the_twin_does():
     step_mask, step_positions = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1), position_ids[:, -1:] + 1
     cache, config = DynamicCache(), kvpass.kv4().config
     step = torch.compile(model, backend="kv4")
-    step(input_ids=ids, past_key_values=cache, **inputs)
-    got = step(input_ids=nxt, past_key_values=cache, attention_mask=step_mask, position_ids=step_positions).logits
+    step(input_ids=ids, **cache_arg(cache), **inputs)
+    got = step(input_ids=nxt, **cache_arg(cache), attention_mask=step_mask, position_ids=step_positions).logits
     for layer in cache.layers:
         scales = layer.keys.query_scales
         assert isinstance(layer.keys, PackedKV) and scales.isfinite().all() and scales.ne(1).any(-1).all()
@@ -76,8 +77,8 @@ def test_a_long_left_padding_decodes_as_the_twin_does():
         assert layer.keys.filled_pads.tolist() == layer.values.filled_pads.tolist() == [[0, 4], [80, 4]]
     reference = SimulatedKVCache(model.config, config.k, config.v)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, **inputs)
-        expected = model(input_ids=nxt, past_key_values=reference, attention_mask=step_mask,
+        model(input_ids=ids, **cache_arg(reference), **inputs)
+        expected = model(input_ids=nxt, **cache_arg(reference), attention_mask=step_mask,
                          position_ids=step_positions).logits
     assert got.isfinite().all()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
@@ -98,10 +99,10 @@ def test_a_left_padded_batch_of_sliding_and_full_layers_generates_as_the_twin_do
     settings = dict(attention_mask=mask, max_new_tokens=50, do_sample=False, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
     with observed_queries():
-        expected = model.generate(ids, past_key_values=_simulated(model), **settings)
+        expected = model.generate(ids, **cache_arg(_simulated(model)), **settings)
     model.compile(backend="kv4")
     out = model.generate(ids, **settings)
-    sliding, full = out.past_key_values.layers[:2]
+    sliding, full = returned_cache(out).layers[:2]
     assert full.keys.filled_pads.tolist() == full.values.filled_pads.tolist() == [[0, 4], [12, 4]]
     assert sliding.keys.filled_pads.tolist() == sliding.values.filled_pads.tolist() == [[0, 0], [12, 0]]
     assert full.keys.n_head == 4 and isinstance(sliding.values, PackedKV)
@@ -123,10 +124,10 @@ def test_a_chunked_prefill_generates_as_the_twin_does():
     settings = dict(max_new_tokens=10, do_sample=False, prefill_chunk_size=70, return_dict_in_generate=True,
                     output_logits=True)  # fmt: skip
     with observed_queries():
-        expected = model.generate(ids, past_key_values=_simulated(model), **settings)
+        expected = model.generate(ids, **cache_arg(_simulated(model)), **settings)
     model.compile(backend="kv4")
     out = model.generate(ids, **settings)
-    keys = out.past_key_values.layers[0].keys
+    keys = returned_cache(out).layers[0].keys
     assert isinstance(keys, PackedKV) and keys.shape[2] == 159 and keys.n_head == 4 and keys.spec.query_rounded
     assert torch.equal(out.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
@@ -136,11 +137,11 @@ def test_beam_search_reorders_the_packed_cache():
     torch._dynamo.reset()
     model = build("llama")
     ids = _prompt(1, 30)
-    expected = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, past_key_values=_simulated(model))
+    expected = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, **cache_arg(_simulated(model)))
     model.compile(backend="kv4")
     out = model.generate(ids, num_beams=3, max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
-    assert out.past_key_values.layers[0].keys.shape[0] == 3
-    assert isinstance(out.past_key_values.layers[0].keys, PackedKV)
+    assert returned_cache(out).layers[0].keys.shape[0] == 3
+    assert isinstance(returned_cache(out).layers[0].keys, PackedKV)
     assert torch.equal(out.sequences, expected)
 
 
@@ -152,11 +153,11 @@ def test_kivi_residual_group_boundary_crossed_during_generation():
     ids = _prompt(1, 56)
     expected = model.generate(
         ids, max_new_tokens=12, do_sample=False,
-        past_key_values=SimulatedKVCache(model.config, backend.config.k, backend.config.v),
+        **cache_arg(SimulatedKVCache(model.config, backend.config.k, backend.config.v)),
     )  # fmt: skip
     model.compile(backend=backend)
     out = model.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
-    keys = out.past_key_values.layers[0].keys
+    keys = returned_cache(out).layers[0].keys
     assert keys.codes.shape[2] == 64 and keys.residual.shape[2] == 67 - 64
     assert torch.equal(out.sequences, expected)
 
@@ -165,7 +166,7 @@ def test_assisted_decoding_crops_the_packed_cache():
     torch._dynamo.reset()
     model, draft = build("llama"), build("llama", seed=1)
     ids = _prompt(1, 30)
-    expected = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=_simulated(model))
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_arg(_simulated(model)))
     model.compile(backend="kv4")
     counters.clear()
     out = model.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=draft)
@@ -191,11 +192,11 @@ def test_fp_window_decode_matches_its_simulation_across_flushes():
     step = torch.compile(model, backend=kvpass.kv4(window=64, k_group=32, v_group=32))
     cache, ids = DynamicCache(), _prompt(1, 150)
     with torch.no_grad():
-        ref, out = model(ids, past_key_values=sim, use_cache=True), step(input_ids=ids, past_key_values=cache)
+        ref, out = model(ids, **cache_arg(sim), use_cache=True), step(input_ids=ids, **cache_arg(cache))
         residuals = set()
         for _ in range(70):  # 150 -> 220 tokens: the window flushes 64 tokens on the way
             tok = ref.logits[:, -1:].argmax(-1)
-            ref, out = model(tok, past_key_values=sim), step(input_ids=tok, past_key_values=cache)
+            ref, out = model(tok, **cache_arg(sim)), step(input_ids=tok, **cache_arg(cache))
             torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-5)
             residuals.add(cache.layers[0].keys.residual.shape[2])
     torch._dynamo.reset()

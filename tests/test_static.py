@@ -7,6 +7,7 @@ from transformers.generation import CompileConfig
 
 import kvpass
 from kvpass import ops, packed, reference
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import QuantSpec
 from kvpass.coverage import tiny_config
 from kvpass.models_zoo import build
@@ -31,7 +32,7 @@ def test_buffers_are_int4_from_the_first_allocation():
     model = build("llama_hd128")
     cache = StaticKVCache(model.config, max_cache_len=512)
     with torch.no_grad():
-        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+        model(input_ids=_prompt(), **cache_arg(cache), use_cache=True)
     for layer in cache.layers:
         for t in (layer.keys, layer.values):
             assert isinstance(t, PackedKV) and t.shape[2] == 512
@@ -47,12 +48,12 @@ def test_compiled_generate_rewrites_static_decode_and_matches_eager():
     torch._dynamo.reset()
     model = build("llama")
     expected = model.generate(
-        _prompt(), max_new_tokens=10, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=10, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     backend = kvpass.kv4()
     model.compile(backend=backend)
     out = model.generate(
-        _prompt(), max_new_tokens=10, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=10, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     assert torch.equal(out, expected)
     # the first graph too: StaticKVCache's int4 buffers are allocated inside it
@@ -66,8 +67,8 @@ def test_a_static_buffer_allocated_before_compiling_keeps_its_spec_and_says_so()
     backend = kvpass.kv4(k_layer_bits={1: 8})
     model.compile(backend=backend)
     out = model.generate(_prompt(), max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-                         past_key_values=StaticKVCache(model.config, max_cache_len=64))  # fmt: skip
-    assert [layer.keys.spec.bits for layer in out.past_key_values.layers] == [4, 4]  # as StaticKVCache made them
+                         **cache_arg(StaticKVCache(model.config, max_cache_len=64)))  # fmt: skip
+    assert [layer.keys.spec.bits for layer in returned_cache(out).layers] == [4, 4]  # as StaticKVCache made them
     notes = {site.module: site.reason for graph in backend.graphs for site in graph.sites}
     assert notes["model.layers.0.self_attn"] == ""
     assert "allocated with int4:token:64:rot:mse and keeps it, not these settings' int8:" in notes["model.layers.1.self_attn"]
@@ -77,14 +78,14 @@ def test_generate_compile_route_with_a_static_kv_cache():
     torch._dynamo.reset()
     model = build("llama")
     expected = model.generate(
-        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=8, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     config = CompileConfig(backend="kv4", fullgraph=False)
     config._compile_all_devices = True  # generate compiles on CUDA only unless told otherwise
     model.generation_config.compile_config = config
     before = len(kvpass.default_backend().graphs)
     out = model.generate(
-        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=8, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     assert torch.equal(out, expected)
     sites = [site for graph in kvpass.default_backend().graphs[before:] for site in graph.sites]
@@ -124,7 +125,7 @@ def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_gra
     eager = build(name)
     size = max(layer.max_cache_len for layer in layers)
     expected = eager.generate(
-        _prompt(prompt), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(eager.config, max_cache_len=size)
+        _prompt(prompt), max_new_tokens=8, do_sample=False, **cache_arg(StaticKVCache(eager.config, max_cache_len=size))
     )
     assert torch.equal(out.sequences, expected)
 
@@ -171,7 +172,7 @@ def test_buffers_that_later_layers_read_are_allocated_int4_once():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     expected = model.generate(
-        _prompt(40), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(config, max_cache_len=size)
+        _prompt(40), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(config, max_cache_len=size))
     )
     assert torch.equal(out.sequences, expected)
 
@@ -195,9 +196,9 @@ def test_mla_static_latent_is_int4_and_attended_directly():
     # Each slot quantized once as written (V's spec, as a slot stores it); new tokens read exact.
     spec = backend.config.v.for_slots
     reference = SimulatedKVCache(model.config, spec, spec)
-    model(input_ids=ids, past_key_values=reference, use_cache=True)
+    model(input_ids=ids, **cache_arg(reference), use_cache=True)
     for i, logits in enumerate(got):
-        expected = model(input_ids=ids[:, i : i + 1], past_key_values=reference, use_cache=True).logits
+        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -206,9 +207,9 @@ def test_mla_static_latent_allocated_fp_before_the_graph_stays_fp16_and_says_why
     torch._dynamo.reset()
     model = build("deepseek_v3")
     cache = StaticCache(config=model.config, max_cache_len=64)
-    model(input_ids=_prompt(), past_key_values=cache, use_cache=True)  # eager: fp buffers
+    model(input_ids=_prompt(), **cache_arg(cache), use_cache=True)  # eager: fp buffers
     backend = kvpass.kv4()
-    torch.compile(model, backend=backend)(input_ids=_prompt(1), past_key_values=cache, use_cache=True)
+    torch.compile(model, backend=backend)(input_ids=_prompt(1), **cache_arg(cache), use_cache=True)
     sites = backend.graphs[-1].sites
     assert sites and all(not site.rewritten for site in sites)
     assert all(
@@ -234,10 +235,10 @@ def test_static_reads_with_tiled_heads_sinks_or_picked_v_heads_match_the_uncompi
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
     run = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
-    expected = model.generate(_prompt(40), past_key_values=StaticKVCache(model.config, max_cache_len=64), **run)
+    expected = model.generate(_prompt(40), **cache_arg(StaticKVCache(model.config, max_cache_len=64)), **run)
     backend = kvpass.kv4()
     model.compile(backend=backend)
-    out = model.generate(_prompt(40), past_key_values=StaticKVCache(model.config, max_cache_len=64), **run)
+    out = model.generate(_prompt(40), **cache_arg(StaticKVCache(model.config, max_cache_len=64)), **run)
     assert torch.equal(out.sequences, expected.sequences)
     for got, want in zip(out.scores, expected.scores):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -255,7 +256,7 @@ def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_
     config = model.config
     cache = StaticCache(config, max_cache_len=64)
     cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
-    model.generate(_prompt(), max_new_tokens=3, do_sample=False, past_key_values=cache)
+    model.generate(_prompt(), max_new_tokens=3, do_sample=False, **cache_arg(cache))
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites and not any(site.rewritten for site in sites)
     assert all("kvpass.StaticKVCache" in site.reason for site in sites)
@@ -282,7 +283,7 @@ def test_static_decode_reads_only_the_blocks_holding_tokens(monkeypatch):
     read = _record_block_reads(monkeypatch)
     model.compile(backend=kvpass.kv4())
     model.generate(
-        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
+        _prompt(), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=1024))
     )
     assert read and set(read) == {0}
 
@@ -294,12 +295,12 @@ def test_uncompiled_forward_reads_a_static_cache_block_by_block(monkeypatch):
     read = _record_block_reads(monkeypatch)
     monkeypatch.setattr(packed, "_fallback", lambda func, *_: pytest.fail(f"{func} went through the fallback"))
     out = model.generate(
-        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=1024)
+        _prompt(), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=1024))
     )
     assert read and set(read) == {0}
     monkeypatch.undo()
     expected = model.generate(
-        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     assert torch.equal(out, expected)
 
@@ -323,14 +324,14 @@ def test_generate_own_static_cache_is_int4_when_the_model_opts_in():
     assert sites and all(site.rewritten and site.phase == "static" for site in sites)
     size = layers[0].max_cache_len
     expected = model.generate(
-        _prompt(), max_new_tokens=8, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=size)
+        _prompt(), max_new_tokens=8, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=size))
     )
     assert torch.equal(out.sequences, expected)
 
     handle.remove()
     cache = StaticCache(model.config, max_cache_len=64)
     with torch.no_grad():
-        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+        model(input_ids=_prompt(), **cache_arg(cache), use_cache=True)
     assert not isinstance(cache.layers[0].keys, PackedKV)
 
 
@@ -342,7 +343,7 @@ def test_opted_in_model_converts_an_early_initialized_empty_static_cache():
     cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
     int4_static_caches(model)
     with torch.no_grad():
-        model(input_ids=_prompt(), past_key_values=cache, use_cache=True)
+        model(input_ids=_prompt(), **cache_arg(cache), use_cache=True)
     keys = cache.layers[0].keys
     assert isinstance(keys, PackedKV) and keys.shape[2] == 64
     assert keys.dequantize()[:, :, :30].abs().max() > 0
@@ -353,11 +354,11 @@ def test_static_decode_compiles_through_aot_autograd():
     torch._dynamo.reset()
     model = build("llama")
     expected = model.generate(
-        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     model.compile(backend=kvpass.kv4(inner="aot_eager"))
     out = model.generate(
-        _prompt(), max_new_tokens=4, do_sample=False, past_key_values=StaticKVCache(model.config, max_cache_len=64)
+        _prompt(), max_new_tokens=4, do_sample=False, **cache_arg(StaticKVCache(model.config, max_cache_len=64))
     )
     assert torch.equal(out, expected)
 
@@ -391,12 +392,12 @@ def test_mla_latent_in_a_sliding_static_layer_is_int4_and_attended_directly():
 
     spec = backend.config.v.for_slots
     quantized = StaticCache(config=model.config, max_cache_len=64)
-    model(input_ids=ids, past_key_values=quantized, use_cache=True)
+    model(input_ids=ids, **cache_arg(quantized), use_cache=True)
     for i, logits in enumerate(got):
         for layer in quantized.layers:  # quantizing a dequantized slot again gives it back
             for t in (layer.keys, layer.values):
                 t.copy_(reference.quantize_dequantize(t, spec))
-        expected = model(input_ids=ids[:, i : i + 1], past_key_values=quantized, use_cache=True).logits
+        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(quantized), use_cache=True).logits
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -411,9 +412,9 @@ def test_a_site_is_reported_int4_only_when_its_own_layer_stores_int4():
     step = torch.compile(model, backend=backend)
     ids = _prompt(40)
     cache = StaticCache(config=model.config, max_cache_len=64)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    step(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    step(input_ids=ids[:, 1:4], past_key_values=cache, use_cache=True)  # layer 1 reads its int4 window dequantized
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
+    step(input_ids=ids[:, :1], **cache_arg(cache), use_cache=True)
+    step(input_ids=ids[:, 1:4], **cache_arg(cache), use_cache=True)  # layer 1 reads its int4 window dequantized
     layer0, layer1 = backend.graphs[-1].sites
     assert layer0.rewritten and layer0.phase == "latent"
     assert not layer1.rewritten
@@ -468,7 +469,7 @@ def test_static_decode_through_generate_is_ready_for_cuda_graphs():
     model = build("gemma2")  # a full layer, and a sliding one whose window fills and then rolls in place each step
     ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
     expected = model.generate(ids, max_new_tokens=6, do_sample=False,
-                              past_key_values=StaticKVCache(model.config, max_cache_len=64))  # fmt: skip
+                              **cache_arg(StaticKVCache(model.config, max_cache_len=64)))  # fmt: skip
     int4_static_caches(model)
     recorded = []
     backend = _recording_aot_backend(recorded)
@@ -483,7 +484,7 @@ def test_static_decode_through_generate_is_ready_for_cuda_graphs():
             addresses.append([t.data_ptr() for t in _inner_tensors(cache)])
             return scores
 
-        out = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=cache, logits_processor=[record])
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **cache_arg(cache), logits_processor=[record])
         assert torch.equal(out, expected)
         assert len(addresses) == 6 and all(step == addresses[0] for step in addresses)
         if attempt == 0:

@@ -6,6 +6,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 import kvpass
+from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.models_zoo import ZOO, build
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
@@ -33,8 +34,8 @@ def test_family_compiles_rewrites_and_matches_reference(name):
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
+    got = step(input_ids=nxt, **cache_arg(cache), use_cache=True).logits
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert sites, "no attention site found"
 
@@ -48,8 +49,8 @@ def test_family_compiles_rewrites_and_matches_reference(name):
     # A latent cache is stored with V's spec: nothing attends over it as keys.
     reference = SimulatedKVCache(model.config, config.v if name in LATENT else config.k, config.v)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, use_cache=True)
-        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits
+        model(input_ids=ids, **cache_arg(reference), use_cache=True)
+        expected = model(input_ids=nxt, **cache_arg(reference), use_cache=True).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -61,7 +62,7 @@ def test_issue_families_generate_with_model_compile(name):
     ids = torch.randint(2, 200, (1, 40), generator=torch.Generator().manual_seed(0))
     out = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 48)
-    assert all(isinstance(layer.keys, PackedKV) for layer in _attention_layers(out.past_key_values))
+    assert all(isinstance(layer.keys, PackedKV) for layer in _attention_layers(returned_cache(out)))
 
 
 # kv4 and the simulation round differently only at the model dtype's precision: bf16 keeps
@@ -79,17 +80,17 @@ def test_half_precision_model_matches_reference(dtype):
     backend = kvpass.kv4()
     step = torch.compile(model, backend=backend)
     cache = DynamicCache()
-    step(input_ids=ids, past_key_values=cache, use_cache=True)
-    got = step(input_ids=nxt, past_key_values=cache, use_cache=True).logits.float()
+    step(input_ids=ids, **cache_arg(cache), use_cache=True)
+    got = step(input_ids=nxt, **cache_arg(cache), use_cache=True).logits.float()
     assert cache.layers[0].keys.dtype == dtype and cache.layers[0].keys.residual.dtype == dtype
 
     reference = SimulatedKVCache(model.config, backend.config.k, backend.config.v)
     with observed_queries():
-        model(input_ids=ids, past_key_values=reference, use_cache=True)
-        expected = model(input_ids=nxt, past_key_values=reference, use_cache=True).logits.float()
+        model(input_ids=ids, **cache_arg(reference), use_cache=True)
+        expected = model(input_ids=nxt, **cache_arg(reference), use_cache=True).logits.float()
     unquantized = DynamicCache()
-    model(input_ids=ids, past_key_values=unquantized, use_cache=True)
-    fp = model(input_ids=nxt, past_key_values=unquantized, use_cache=True).logits.float()
+    model(input_ids=ids, **cache_arg(unquantized), use_cache=True)
+    fp = model(input_ids=nxt, **cache_arg(unquantized), use_cache=True).logits.float()
 
     tolerance = HALF_TOLERANCE[dtype]
     assert (got - expected).abs().max() <= tolerance
