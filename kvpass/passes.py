@@ -278,18 +278,13 @@ def _selected_heads(chain: list[fx.Node]) -> list[int] | None:
         if _is_head_tiling(node) and _is_head_chunk(node.args[0]):
             part = node.args[0]
             chunk, c = part.args
-            per_chunk = _specialized(_val(chunk.args[0]).shape[1]) // chunk.args[1]
+            # A symbol when another model compiled the same frame first (every transformers forward runs in
+            # one deprecate_kwarg wrapper, whose automatic dynamic shapes then saw two counts): the guard makes
+            # this graph serve this count only.
+            per_chunk = guard_int(_val(chunk.args[0]).shape[1]) // chunk.args[1]
             tiles = node.args[1][1] if len(node.args) == 2 else node.args[2]
             return [c * per_chunk + j % per_chunk for j in range(tiles * per_chunk)]
     return None
-
-
-def _specialized(size: int | torch.SymInt) -> int:
-    """A size the rewrite needs as a number (a head count), made one with a guard if it is symbolic.
-    Dynamo makes a model's constants symbolic when another model compiled the same frame before it
-    (every transformers forward runs inside one shared ``deprecate_kwarg`` wrapper, whose automatic
-    dynamic shapes then see a second set of values); the guard makes another count recompile."""
-    return guard_int(size)
 
 
 def _tiles(chain: list[fx.Node]) -> int:
