@@ -14,6 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
+from kvpass import models_zoo
 from kvpass.cache_argument import cache_arg
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, k_spec_as_stored, observed_queries
@@ -178,6 +179,23 @@ def test_a_model_compiled_after_one_of_other_sizes_is_rewritten_as_alone():
     got, expected, _ = _decode_with_kv4_and_twin(_model("diffllama"), backend)
     sites = [site for graph in backend.graphs for site in graph.sites]
     assert all(site.rewritten for site in sites), [site.reason for site in sites if not site.rewritten]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_a_size_the_shapes_fix_leaves_no_fp_copy_of_the_cache(caplog):
+    # After a model of another head_dim, Dynamo traces the second model's head_dim as a symbol and
+    # pins it, keeping HF's read of value.shape[-1] after SDPA. That read of repeat_kv's view (the
+    # mask rules out enable_gqa) once kept the fp cat of the int4 cache alive, dequantized every step.
+    torch._dynamo.reset()
+    _decode_with_kv4_and_twin(models_zoo.build("llama_hd128"), kvpass.kv4())
+    backend = kvpass.kv4()
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        got, expected, _ = _decode_with_kv4_and_twin(models_zoo.build("mistral"), backend)
+    assert not [r.getMessage() for r in caplog.records if "dequantized cache" in r.getMessage()]
+    decode_graphs = [graph for graph in backend.graphs if any(site.phase == "decode" for site in graph.sites)]
+    assert decode_graphs and all("kv4_decode(" in graph.after for graph in decode_graphs)
+    assert not any(re.search(r"torch\.cat\(\[\w*layers_\d+_(keys|values)", graph.after) for graph in backend.graphs)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
