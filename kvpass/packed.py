@@ -180,11 +180,11 @@ class PackedKV(torch.Tensor):
         B, H, S, D = shape
         empty = _empty_like(torch.empty((B, H, 0, D), dtype=dtype, device=device), spec)
         # Zero scales decode every slot to exactly zero, whatever its codes.
-        return PackedKV(
+        return _static_heads(PackedKV(
             empty.codes.new_zeros((B, H, S, *empty.codes.shape[3:])),
             empty.scales.new_zeros((B, empty.scales.shape[1], S, *empty.scales.shape[3:])),
             empty.residual, spec,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def append(self, new: torch.Tensor, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,
                fills_pads: bool = False) -> PackedKV:  # fmt: skip
@@ -682,6 +682,14 @@ def _marked_growing(t: PackedKV) -> PackedKV:
     # also marks every inner tensor of its rank, sinks and final-length planes too, whose symbols
     # made a first decode graph's trace a quarter slower (benchmarks/decode_compiles.py).
     t._dynamo_weak_dynamic_indices = {2}
+    return _static_heads(t)
+
+
+def _static_heads(t: PackedKV) -> PackedKV:
+    """``t`` with its heads and head_dim marked static for Dynamo. A cache's never change, but unmarked,
+    automatic dynamic shapes make them symbols once a model of other sizes ran the same frame (every
+    transformers forward runs in one deprecate_kwarg wrapper), and the rewrite reads them as numbers."""
+    t._dynamo_static_indices = {1, 3}
     t._has_dynamo_dim_marking = True
     return t
 

@@ -63,7 +63,6 @@ costs more than its one token's work); any other keeps the three calls, the reas
 
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
-Before matching, a size read the shapes fix at one number becomes that number (``_fold_known_sizes``).
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guard_int, is_concrete_int, statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
 from kvpass import graph_ops, reference
 from kvpass.cache_argument import cache_name
@@ -279,9 +278,9 @@ def _selected_heads(chain: list[fx.Node]) -> list[int] | None:
         if _is_head_tiling(node) and _is_head_chunk(node.args[0]):
             part = node.args[0]
             chunk, c = part.args
-            # A symbol when another model compiled the same frame first (every transformers forward runs in
-            # one deprecate_kwarg wrapper, whose automatic dynamic shapes then saw two counts): the guard makes
-            # this graph serve this count only.
+            # The rewrite needs a number. A cache kvpass packed has its heads marked static
+            # (packed._static_heads); should a symbol reach here still, the guard makes this graph serve
+            # this count only.
             per_chunk = guard_int(_val(chunk.args[0]).shape[1]) // chunk.args[1]
             tiles = node.args[1][1] if len(node.args) == 2 else node.args[2]
             return [c * per_chunk + j % per_chunk for j in range(tiles * per_chunk)]
@@ -539,38 +538,6 @@ def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
             full = graph.call_function(torch.cat, ([past, write.new],), {"dim": -2})
     for user in write.fp_readers:
         user.replace_input_with(write.node, full)
-
-
-def _fold_known_sizes(graph: fx.Graph) -> None:
-    """Replace each read of a size the shapes fix at one number (``x.size()[i]``, ``x.size(i)``) by
-    that number.
-
-    Dynamo keeps such reads where it traced a size as a symbol and pinned it later: after a model of
-    another head_dim ran in the same frame (transformers' shared forward wrapper), HF's
-    ``value.shape[-1]`` after SDPA reads ``repeat_kv``'s view of the cache. That read would keep the
-    view, and so an fp copy of the int4 cache, alive past the rewritten attention."""
-    for size in [n for n in graph.nodes if n.op == "call_method" and n.target == "size"]:
-        whole = len(size.args) == 1 and not size.kwargs  # x.size(), read by indexing
-        for read in [u for u in size.users if u.target is operator.getitem] if whole else [size]:
-            value = _val(read)
-            if isinstance(value, (int, torch.SymInt)) and is_concrete_int(value):
-                _replace_by_number(graph, read, int(value))
-                counters["known_size_folded"] += 1
-        if whole and not size.users:
-            graph.erase_node(size)
-
-
-# Arithmetic Dynamo records on sizes (``repeat_kv``'s ``heads * n_rep``), folded once its inputs are numbers.
-SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv)
-
-
-def _replace_by_number(graph: fx.Graph, node: fx.Node, value: int) -> None:
-    users = list(node.users)
-    node.replace_all_uses_with(value)
-    graph.erase_node(node)
-    for user in users:
-        if user.target in SIZE_ARITHMETIC and not user.kwargs and all(isinstance(a, int) for a in user.args):
-            _replace_by_number(graph, user, user.target(*user.args))
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
@@ -1063,9 +1030,12 @@ def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> Quan
         return _static_buffer_spec(write)  # allocated with its spec by an earlier forward
     spec = spec.for_slots
     ctor, val = write.past, _val(write.past)
+    # The sizes as the graph gives them: a symbolic one (the length of generate's static cache, once a
+    # second call's differed) is a node there, and a raw symbol in a node's arguments fails when it runs.
+    size = ctor.kwargs.get("size", ctor.args[0] if len(ctor.args) == 1 else ctor.args)
     with graph.inserting_before(ctor):
         packed = graph.call_function(
-            graph_ops.kv4_zeros, (tuple(val.shape),), {"dtype": val.dtype, "device": val.device, "spec": spec.tag}
+            graph_ops.kv4_zeros, (tuple(size),), {"dtype": val.dtype, "device": val.device, "spec": spec.tag}
         )  # fmt: skip
     _copy_meta(ctor, packed)
     ctor.replace_all_uses_with(packed)
@@ -1469,9 +1439,11 @@ def _match_expansion(attn: _Attention) -> _Expansion:
     key = attn.key
     if not _is_call(key, method="new_empty") or key.args[0] is not kv:
         raise NoMatch("K is not filled into a new tensor shaped like the projection")
-    nope, heads = widths[0], _val(kv).shape[1]
-    if _val(view).shape[-1] != sum(widths) or _val(linear.args[1]).shape[0] != heads * sum(widths):
+    # The head count from W's rows, a number: the view infers it (-1), a symbol once the batch is dynamic.
+    nope, rows = widths[0], _val(linear.args[1]).shape[0]
+    if _val(view).shape[-1] != sum(widths) or rows % sum(widths):
         raise NoMatch("the projection's rows are not each head's K part then V part")
+    heads = rows // sum(widths)
     copies, size_reads = {}, []
     for part in key.users:
         if part is attn.key_reader:
@@ -1727,7 +1699,6 @@ def _upstream(starts: list[fx.Node], found, stop: set = frozenset(), limit: int 
 def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     """Rewrite every matching attention site of ``gm`` in place; report every one found."""
     graph = gm.graph
-    _fold_known_sizes(graph)
     candidates = [(node, form) for form, (find, _) in ATTENTION_FORMS.items() for node in find(graph)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])

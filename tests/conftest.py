@@ -16,9 +16,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # A decode step's quantization compiles once per shape and spec (kvpass.cpu_steps): hundreds of
 # shapes here would each pay seconds. tests/test_cpu_steps.py turns it on and checks it against
 # the eager reference this suite checks everything else against.
-from kvpass import cpu_steps  # noqa: E402
+from kvpass import cpu_steps, packed  # noqa: E402
 
 cpu_steps.enabled = False
+
+
+@pytest.fixture(autouse=True)
+def _fallback_warned_afresh(monkeypatch):
+    # The dequantizing fallback warns once a process for each op it runs: a test that checks no such
+    # warning came must not pass because an earlier test in its worker had it.
+    monkeypatch.setattr(packed, "_warned_fallback_ops", set())
 
 
 @pytest.fixture(autouse=True)

@@ -130,6 +130,23 @@ def test_static_cache_whose_first_forward_is_compiled_is_int4_from_the_first_gra
     assert torch.equal(out.sequences, expected)
 
 
+@torch.no_grad()
+def test_a_second_static_generate_of_another_length_allocates_int4_as_the_first():
+    # generate sizes its static cache to the prompt and the new tokens: a second call of another length
+    # makes that length a symbol in the graph that allocates. The int4 buffer once took its shape from the
+    # fp allocation's value, the symbol raw, and the step failed when it ran (NameError: s98).
+    torch._dynamo.reset()
+    model, eager = build("llama"), build("llama")
+    model.compile(backend=kvpass.kv4())
+    for prompt, new in ((30, 8), (40, 5)):
+        settings = dict(max_new_tokens=new, do_sample=False)
+        out = model.generate(_prompt(prompt), cache_implementation="static", return_dict_in_generate=True, **settings)
+        layers = out.cache.layers
+        assert all(isinstance(t, PackedKV) for layer in layers for t in (layer.keys, layer.values))
+        stored = StaticKVCache(eager.config, max_cache_len=layers[0].max_cache_len)
+        assert torch.equal(out.sequences, eager.generate(_prompt(prompt), **cache_arg(stored), **settings))
+
+
 def _compiled_static_generate(config):
     """``(generate's output, the backend)``: 4 tokens after a 40-token prompt from a model of ``config``
     (seed 0) compiled with kv4, through ``cache_implementation="static"``."""
