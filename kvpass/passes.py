@@ -63,6 +63,7 @@ costs more than its one token's work); any other keeps the three calls, the reas
 
 The prefill attention keeps its op, over the exact new tokens; only the stored cache
 becomes int4. Every candidate that does not match is reported with its reason and left alone.
+Before matching, a size read the shapes fix at one number becomes that number (``_fold_known_sizes``).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ from collections import Counter
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, is_concrete_int, statically_known_true
 
 from kvpass import graph_ops, reference
 from kvpass.cache_argument import cache_name
@@ -538,6 +539,38 @@ def _give_fp_readers(graph: fx.Graph, write: _CacheWrite) -> None:
             full = graph.call_function(torch.cat, ([past, write.new],), {"dim": -2})
     for user in write.fp_readers:
         user.replace_input_with(write.node, full)
+
+
+def _fold_known_sizes(graph: fx.Graph) -> None:
+    """Replace each read of a size the shapes fix at one number (``x.size()[i]``, ``x.size(i)``) by
+    that number.
+
+    Dynamo keeps such reads where it traced a size as a symbol and pinned it later: after a model of
+    another head_dim ran in the same frame (transformers' shared forward wrapper), DiffLlama's graphs keep
+    HF's ``value.shape[-1]`` after SDPA, of V's tiled chunk of the cache. That read would keep the view,
+    and so an fp copy of the int4 cache, alive past the rewritten attention."""
+    for size in [n for n in graph.nodes if n.op == "call_method" and n.target == "size"]:
+        whole = len(size.args) == 1 and not size.kwargs  # x.size(), read by indexing
+        for read in [u for u in size.users if u.target is operator.getitem] if whole else [size]:
+            value = _val(read)
+            if isinstance(value, (int, torch.SymInt)) and is_concrete_int(value):
+                _replace_by_number(graph, read, int(value))
+                counters["known_size_folded"] += 1
+        if whole and not size.users:
+            graph.erase_node(size)
+
+
+# Arithmetic Dynamo records on sizes (``repeat_kv``'s ``heads * n_rep``), folded once its inputs are numbers.
+SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv)
+
+
+def _replace_by_number(graph: fx.Graph, node: fx.Node, value: int) -> None:
+    users = list(node.users)
+    node.replace_all_uses_with(value)
+    graph.erase_node(node)
+    for user in users:
+        if user.target in SIZE_ARITHMETIC and not user.kwargs and all(isinstance(a, int) for a in user.args):
+            _replace_by_number(graph, user, user.target(*user.args))
 
 
 def _erase_if_dead(graph: fx.Graph, nodes):
@@ -1033,9 +1066,10 @@ def _packed_buffer(graph: fx.Graph, write: _CacheWrite, spec: QuantSpec) -> Quan
     # The sizes as the graph gives them: a symbolic one (the length of generate's static cache, once a
     # second call's differed) is a node there, and a raw symbol in a node's arguments fails when it runs.
     size = ctor.kwargs.get("size", ctor.args[0] if len(ctor.args) == 1 else ctor.args)
+    size = size if isinstance(size, fx.Node) else tuple(size)  # a node: some tensor's .shape
     with graph.inserting_before(ctor):
         packed = graph.call_function(
-            graph_ops.kv4_zeros, (tuple(size),), {"dtype": val.dtype, "device": val.device, "spec": spec.tag}
+            graph_ops.kv4_zeros, (size,), {"dtype": val.dtype, "device": val.device, "spec": spec.tag}
         )  # fmt: skip
     _copy_meta(ctor, packed)
     ctor.replace_all_uses_with(packed)
@@ -1699,6 +1733,7 @@ def _upstream(starts: list[fx.Node], found, stop: set = frozenset(), limit: int 
 def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     """Rewrite every matching attention site of ``gm`` in place; report every one found."""
     graph = gm.graph
+    _fold_known_sizes(graph)
     candidates = [(node, form) for form, (find, _) in ATTENTION_FORMS.items() for node in find(graph)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])
