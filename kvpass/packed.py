@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+from collections import Counter
 import functools
 import logging
 import math
@@ -22,6 +23,9 @@ aten = torch.ops.aten
 # aten op -> implementation(func, args, kwargs). Everything else goes through _fallback.
 _IMPLEMENTATIONS = {}
 _warned_fallback_ops = set()
+# Each op the fallback ran on real tensors, counted: `kvpass coverage` calls a type whose steps ran any
+# "read dequantized", however exact its logits.
+fallback_ops: Counter = Counter()
 
 
 def _implements(*aten_ops):
@@ -1136,6 +1140,8 @@ def _fallback(func, args, kwargs):
     """
     name = str(func)
     tracing = any(isinstance(a, PackedKV) and isinstance(a.codes, FakeTensor) for a in args)
+    if not tracing:
+        fallback_ops[name] += 1
     if name not in _warned_fallback_ops and not tracing:
         _warned_fallback_ops.add(name)
         log.warning(

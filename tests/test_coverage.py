@@ -153,6 +153,16 @@ def test_logits_that_part_from_the_twin_are_a_finding_not_a_rewrite(monkeypatch)
     assert summarize([row, {"model_type": "x", "status": "rewritten"}])["fully_rewritten"] == 1
 
 
+def test_a_type_whose_steps_read_the_cache_dequantized_is_a_finding_not_a_rewrite():
+    # Granite's sliding layers scale their output by sigmoid(logsumexp(scores) - sink): that read of the
+    # scores keeps K's fp cat of the int4 cache in the graph. Every site is rewritten and the logits are
+    # exact, but each step dequantizes the cache; it had read "rewritten".
+    row = check_one("granite_swa")
+    assert row["status"] == "read dequantized" and row["sites"] == "4/4", row
+    assert "ran aten.unsqueeze.default on the int4 cache dequantized" in row["reason"]
+    assert summarize([row])["fully_rewritten"] == 0 and summarize([row])["with_attention_cache_running_eagerly"] == 1
+
+
 def test_settings_reach_the_checked_model_type_through_its_subprocess():
     row = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": True})
     assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
