@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections import Counter
 import functools
 import logging
 import math
+from collections import Counter
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -22,9 +22,8 @@ aten = torch.ops.aten
 
 # aten op -> implementation(func, args, kwargs). Everything else goes through _fallback.
 _IMPLEMENTATIONS = {}
-_warned_fallback_ops = set()
-# Each op the fallback ran on real tensors, counted: `kvpass coverage` calls a type whose steps ran any
-# "read dequantized", however exact its logits.
+# Each op the fallback ran on real tensors, counted: its first run warns, and `kvpass coverage` calls a type
+# whose steps ran any "read dequantized", however exact its logits.
 fallback_ops: Counter = Counter()
 
 
@@ -1142,8 +1141,7 @@ def _fallback(func, args, kwargs):
     tracing = any(isinstance(a, PackedKV) and isinstance(a.codes, FakeTensor) for a in args)
     if not tracing:
         fallback_ops[name] += 1
-    if name not in _warned_fallback_ops and not tracing:
-        _warned_fallback_ops.add(name)
+    if fallback_ops[name] == 1 and not tracing:
         log.warning(
             "kvpass: %s has no int4 implementation; computing it on the dequantized cache (a kv4 cache read "
             "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)", name

@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ cpu_steps.enabled = False
 def _fallback_warned_afresh(monkeypatch):
     # The dequantizing fallback warns once a process for each op it runs: a test that checks no such
     # warning came must not pass because an earlier test in its worker had it.
-    monkeypatch.setattr(packed, "_warned_fallback_ops", set())
+    monkeypatch.setattr(packed, "fallback_ops", Counter())
 
 
 @pytest.fixture(autouse=True)

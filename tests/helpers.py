@@ -99,6 +99,18 @@ def latent_decode(model, ids, cache, steps=3):
     return backend, got
 
 
+def assert_latent_steps_match_twin(model, ids, got, spec):
+    """:func:`latent_decode`'s step logits ``got`` against the eager model reading the past as kv4 stored
+    it, both latents with ``spec`` (nothing attends over them as keys)."""
+    from kvpass.simulate import SimulatedKVCache
+
+    reference = SimulatedKVCache(model.config, spec, spec)
+    model(input_ids=ids, **cache_arg(reference), use_cache=True)
+    for i, logits in enumerate(got):
+        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
 def hard_values(shape, dtype, generator):
     """Random groups plus the cases the reference defines: zeros, flush-to-zero, non-finite, ties."""
     x = torch.randn(shape, generator=generator) * 3

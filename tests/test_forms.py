@@ -18,7 +18,7 @@ from kvpass import models_zoo
 from kvpass.cache_argument import cache_arg
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, k_spec_as_stored, observed_queries
-from tests.helpers import latent_decode
+from tests.helpers import assert_latent_steps_match_twin, latent_decode
 
 COMMON = {"vocab_size": 256, "eos_token_id": None, "pad_token_id": 0, "bos_token_id": 1}
 
@@ -263,11 +263,7 @@ def test_mla_latent_cache_is_int4_and_attended_directly():
         assert "kv_b_proj_parameters_weight_, None)" not in graph.after
 
     # Both latents are stored with V's spec: nothing attends over them as keys.
-    reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
-    model(input_ids=ids, **cache_arg(reference), use_cache=True)
-    for i, logits in enumerate(got):
-        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert_latent_steps_match_twin(model, ids, got, backend.config.v)
 
 
 @torch.no_grad()
@@ -283,11 +279,7 @@ def test_mla_at_a_second_batch_size_attends_as_at_the_first():
         ids = torch.randint(3, 256, (batch, 70), generator=torch.Generator().manual_seed(batch))
         cache = DynamicCache(config=model.config)
         backend, got = latent_decode(model, ids, cache)
-    reference = SimulatedKVCache(model.config, backend.config.v, backend.config.v)
-    model(input_ids=ids, **cache_arg(reference), use_cache=True)
-    for i, logits in enumerate(got):
-        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert_latent_steps_match_twin(model, ids, got, backend.config.v)
 
 
 @torch.no_grad()

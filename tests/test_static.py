@@ -12,9 +12,8 @@ from kvpass.config import QuantSpec
 from kvpass.coverage import tiny_config
 from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
-from kvpass.simulate import SimulatedKVCache
 from kvpass.static import StaticKVCache, int4_static_caches
-from tests.helpers import latent_decode
+from tests.helpers import assert_latent_steps_match_twin, latent_decode
 
 
 def _prompt(length=30):
@@ -211,12 +210,7 @@ def test_mla_static_latent_is_int4_and_attended_directly():
     assert (tuple(cache.layers[0].keys.shape), tuple(cache.layers[0].values.shape)) == ((1, 1, 64, 32), (1, 1, 64, 16))
 
     # Each slot quantized once as written (V's spec, as a slot stores it); new tokens read exact.
-    spec = backend.config.v.for_slots
-    reference = SimulatedKVCache(model.config, spec, spec)
-    model(input_ids=ids, **cache_arg(reference), use_cache=True)
-    for i, logits in enumerate(got):
-        expected = model(input_ids=ids[:, i : i + 1], **cache_arg(reference), use_cache=True).logits
-        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert_latent_steps_match_twin(model, ids, got, backend.config.v.for_slots)
 
 
 @torch.no_grad()
