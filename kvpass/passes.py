@@ -13,6 +13,9 @@ A site is an attention computation whose K and V lead back, through the view cha
   new token whose key and value are zero and whose mask column is the sink logit (``kv4_decode``
   takes the sink and builds that token itself, as it stores the new tokens alone). A row-max
   shift alone is dropped too (it changes no softmax);
+* an attention sink as a scale of the output (Granite-SWA): ``out * sigmoid(logsumexp(scores, -1)
+  - sink)[..., None]``, casts between allowed, ``sink`` broadcasting to ``[B, H, T]``: the same
+  softmax with one more logit, which enters as the sink above (``sink[..., None]`` to ``[B, H, T, 1]``);
 * scores, read back from the softmax input (past any sink) in this order (each step optional):
   masking (``+ term`` any number of times, ``torch.where(keep, s, -big)``,
   ``s.masked_fill(drop, -big)``, ``torch.max(s, -big)``), then ``cap * tanh(s / cap)``, then
@@ -141,6 +144,9 @@ class _Attention:
     folded: bool = False  # the output is [B * H, T, D] (torch.bmm), the fused op's is [B, H, T, D]
     tiles: int = 1  # K/V heads tiled by repeat (head h reads KV head h % H_kv), set with the cache match
     sink: fx.Node | None = None  # [B, H, T, 1]: one more logit per row whose value is zero
+    # A sink read as a scale of the output (:func:`_peel_scaled_sink`), broadcasting to [B, H, T]; it
+    # becomes `sink` when the site is rewritten, as a match leaves the graph as it was.
+    scaled_sink: fx.Node | None = None
     # (operator.mul or truediv, x): scores scaled by x, a float Dynamo passes in as a 0-d tensor
     # (:func:`_is_float_input`); the fused op gets the query scaled by it and ``scale=1.0``
     query_scale: tuple | None = None
@@ -696,6 +702,69 @@ def _peel_sink(node: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node | 
     return node, sink
 
 
+def _is_dtype_cast(node) -> bool:
+    """``x.to(dtype)`` or ``x.float()``: a cast of the values alone."""
+    return _is_call(node, (), "float") or (
+        _is_call(node, (), "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs
+    )
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _peel_scaled_sink(scores: fx.Node, out: fx.Node, nodes: list[fx.Node]) -> tuple[fx.Node, fx.Node | None]:
+    """``out * sigmoid(logsumexp(scores, -1) - sink)[..., None]`` (Granite-SWA): ``(the product, sink)``;
+    ``(out, None)`` where ``scores`` have no log-sum-exp, or one read otherwise (logged; the site then
+    keeps that read, over the cache dequantized).
+
+    With ``Z`` the softmax's sum, ``sigmoid(log Z - s) = Z / (Z + exp(s))``: the product is the softmax
+    with one more logit ``s`` whose value is zero, the sink GPT-OSS writes as a column of the scores.
+    """
+    lse = [u for u in scores.users if _is_call(u, (torch.logsumexp,), "logsumexp")]
+    if not lse:
+        return out, None
+
+    def unread(why: str) -> tuple[fx.Node, None]:
+        log.debug("kvpass: the log-sum-exp of scores %s is read as no sink: %s", scores.name, why)
+        return out, None
+
+    if len(lse) > 1 or out.target is torch.bmm or _val(scores) is None:
+        return unread("more than one log-sum-exp" if len(lse) > 1 else "heads are folded into the batch, or unknown")
+    (lse,) = lse
+    dim = (lse.args[1:] or (lse.kwargs.get("dim"),))[0]
+    if dim not in (-1, [-1], (-1,), _val(scores).dim() - 1) or lse.kwargs.get("keepdim", lse.args[2:3] == (True,)):
+        return unread(f"{lse.name} is over dim {dim}, not the keys' alone")
+    sub = _single_user(lse)
+    if not (_is_call(sub, (operator.sub,)) and sub.args[0] is lse and isinstance(sub.args[1], fx.Node)):
+        return unread(f"{lse.name} is not read as logsumexp(scores) - sink alone")
+    sink, sink_val = sub.args[1], _val(sub.args[1])
+    if sink_val is None or sink_val.dim() > 3:
+        return unread(f"{sink.name} does not broadcast to the log-sum-exp's [B, H, T]")
+    chain = [lse, sub]
+
+    def past_casts(node: fx.Node) -> fx.Node | None:
+        # the reader of `node` past dtype casts, which join the chain
+        user = _single_user(node)
+        while _is_dtype_cast(user):
+            chain.append(user)
+            user = _single_user(user)
+        return user
+
+    for name, target in (("sigmoid", torch.sigmoid), ("unsqueeze", torch.unsqueeze)):
+        node = past_casts(chain[-1])
+        if not _is_call(node, (target,), name):
+            return unread(f"{chain[-1].name} is read by {getattr(node, 'name', 'several nodes')}, not {name}")
+        chain.append(node)
+    if (node.args[1:] or (node.kwargs.get("dim"),))[0] not in (-1, _val(node).dim() - 1):
+        return unread(f"{node.name} does not add the last dimension")
+    product = past_casts(node)
+    if not (_is_call(product, (operator.mul,)) and {*product.args} == {out, chain[-1]} and len(out.users) == 1):
+        return unread(f"the output {out.name} is not scaled by {chain[-1].name} alone")
+    nodes += [product, *reversed(chain)]
+    return product, sink
+
+
 def _is_row_max(node, of: fx.Node) -> bool:
     if not (_is_call(node, (torch.max,), "max") and node.args[0] is of):
         return False
@@ -881,18 +950,22 @@ def _match_eager(softmax: fx.Node) -> _Attention:
     if (sink is None) != (not any(_is_sink_drop(n) for n in probs_nodes)):
         raise NoMatch(f"the softmax input of {out.name} and its probs disagree on an attention-sink column")
     scores = _walk_scores(scores_input)
-    if sink is not None and not (scores.bias or scores.keep is not None or scores.drop is not None):
-        raise NoMatch(f"attention sink {sink.name} with no mask to carry it")
-    value, value_reader, nodes = out.args[1], out, [out]
+    scaled_nodes = []
+    output, scaled_sink = _peel_scaled_sink(scores_input, out, scaled_nodes)
+    if sink is not None and scaled_sink is not None:
+        raise NoMatch(f"two attention sinks: a column of the scores and {scaled_sink.name}, a scale of the output")
+    if (sink or scaled_sink) is not None and not (scores.bias or scores.keep is not None or scores.drop is not None):
+        raise NoMatch(f"attention sink {(sink or scaled_sink).name} with no mask to carry it")
+    value, value_reader, nodes = out.args[1], out, [*scaled_nodes, out]
     if out.target is torch.bmm:
         value = _folded_heads(value, "V")
         value_reader = out.args[1]
         nodes.append(value_reader)
     nodes += [*reversed(probs_nodes), *sink_nodes, *scores.nodes]
     return _Attention(
-        out, nodes, scores.query, scores.key, scores.key_reader, value, value_reader, None, scale=scores.scale,
+        output, nodes, scores.query, scores.key, scores.key_reader, value, value_reader, None, scale=scores.scale,
         is_causal=False, softcap=scores.softcap, keep=scores.keep, drop=scores.drop, bias=scores.bias,
-        folded=out.target is torch.bmm, sink=sink, query_scale=scores.query_scale,
+        folded=out.target is torch.bmm, sink=sink, scaled_sink=scaled_sink, query_scale=scores.query_scale,
     )  # fmt: skip
 
 
@@ -989,6 +1062,8 @@ def _check_tiled_masks(attn: _Attention) -> None:
         raise NoMatch(f"heads are tiled by repeat and mask {name} is not one mask for every head")
     if any(term.folded for term in attn.bias):
         raise NoMatch("heads are tiled by repeat and a bias is added per head on folded heads")
+    if attn.scaled_sink is not None and not _known(_val(attn.scaled_sink).numel() == 1):
+        raise NoMatch(f"heads are tiled by repeat and sink {attn.scaled_sink.name} may differ by head")
 
 
 def _grouped_heads(graph: fx.Graph, x: fx.Node, tiles: int) -> fx.Node:
@@ -1013,6 +1088,15 @@ def _replace_output(graph: fx.Graph, attn: _Attention, fused: fx.Node) -> None:
             fused = graph.call_method("flatten", (fused, 0, 1))  # [B, H, T, D] -> [B * H, T, D]
         _copy_meta(attn.output, fused)
     attn.output.replace_all_uses_with(fused)
+
+
+def _sink_column(graph: fx.Graph, attn: _Attention) -> None:
+    """A sink read as a scale of the output, as the sink column ``[B, H, T, 1]`` the fused ops take."""
+    if attn.scaled_sink is None:
+        return
+    column = graph.call_method("unsqueeze", (attn.scaled_sink, -1))  # broadcasts as the scale did
+    rows = graph.call_function(operator.getitem, (attn.query, (Ellipsis, slice(None, 1))))
+    attn.sink = graph.call_method("expand_as", (column, rows))
 
 
 def _add_sink(graph: fx.Graph, attn: _Attention, k_new, v_new, k_like: fx.Node, v_like: fx.Node):
@@ -1130,6 +1214,7 @@ def _fused_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _Cach
     append's keywords), by ``kv4_decode``, which appends too: returned, its outputs 1 and 2 the caches."""
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
+        _sink_column(graph, attn)
         query = _scaled_query(graph, attn)
         query = _grouped_heads(graph, query, attn.tiles) if attn.tiles > 1 else query
         k_new = v_new = None
@@ -1538,6 +1623,7 @@ def _absorb(graph: fx.Graph, attn: _Attention, mla: _Expansion, spec: str) -> No
         raise NoMatch("a static buffer's slots are read with no mask to hide those not written yet")
     _build_mask(graph, attn)
     with graph.inserting_before(attn.output):
+        _sink_column(graph, attn)
         query = _scaled_query(graph, attn)
         scale = attn.scale if attn.scale is not None else _val(attn.query).shape[-1] ** -0.5
         # [H, dn + dv, r]: head h's rows of W, first K's, then V's

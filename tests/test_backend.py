@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import kvpass
-from kvpass import debug, passes, reference
+from kvpass import debug, packed, passes, reference
 from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import KVConfig, QuantSpec
 from kvpass.packed import PackedKV
@@ -587,7 +587,7 @@ def test_a_sliding_layers_decode_steps_share_graphs_and_dequantize_nothing():
 def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, head_dim, settings):
     """Per-token caches without a second code plane (heads under 32 channels, or refine=0) take one
     kv4::decode_step a layer too, storing what the three calls store."""
-    from kvpass import cpu_steps, packed
+    from kvpass import cpu_steps
 
     k_specs = []
     decode_step = cpu_steps.decode_step
@@ -615,23 +615,32 @@ def test_caches_without_a_second_plane_decode_in_one_op_a_layer(monkeypatch, hea
         assert same_stored_bits(one.keys, three.keys) and same_stored_bits(one.values, three.values)
 
 
+class _AttentionWithLogSumExp(torch.nn.Module):
+    """Eager attention over a cache layer that also returns its scores' log-sum-exp (as flash-attention
+    APIs do), which kvpass reads as an attention sink only where it scales the output."""
+
+    def forward(self, q, k, v, cache):
+        k, v = cache.update(k, v, 0)
+        scores = q @ k.transpose(-2, -1) / 8.0
+        return scores.softmax(-1) @ v, torch.logsumexp(scores, -1)
+
+
 @torch.no_grad()
 def test_an_attention_whose_scores_are_read_elsewhere_keeps_its_appends_apart(caplog):
-    """Granite-SWA's eager attention also sends its scores to a log-sum-exp: the attention's nodes, the
-    cache's views among them, outlive the fused op, so its appends cannot be one call with it."""
-    from transformers import AutoModelForCausalLM
-
-    from kvpass.coverage import tiny_config
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config("granite_swa")).eval()
+    """The attention's nodes, the cache's views among them, outlive the fused op when its scores are read
+    elsewhere too, so its appends cannot be one call with it; that read gets the cache dequantized."""
     torch._dynamo.reset()
     caplog.set_level(logging.DEBUG, logger="kvpass")
-    backend = kvpass.kv4()
-    step, cache = torch.compile(model, backend=backend), DynamicCache(config=model.config)
-    step(input_ids=_ids(70), **cache_arg(cache), use_cache=True)
-    step(input_ids=_ids(1), **cache_arg(cache), use_cache=True)
+    module, backend = _AttentionWithLogSumExp(), kvpass.kv4()
+    step, cache, twin = torch.compile(module, backend=backend), DynamicCache(), DynamicCache()
+    x, y = (torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(n)) for n in (70, 1))
+    step(x, x, x, cache)
+    module(x, x, x, twin)  # the past as the decode step reads it
+    twin.layers[0].keys, twin.layers[0].values = (t.dequantize() for t in (cache.layers[0].keys, cache.layers[0].values))
+    got = step(y, y, y, cache)
     assert isinstance(cache.layers[0].keys, PackedKV) and all(site.rewritten for site in backend.graphs[-1].sites)
     assert "kv4_append(" in backend.graphs[-1].after and "kv4_decode(" not in backend.graphs[-1].after
     assert re.search(r"appends apart from its attention: \w+, of its attention, is read elsewhere too", caplog.text)
+    assert re.search(r"log-sum-exp of scores \w+ is read as no sink: \w+ is not read as logsumexp", caplog.text)
+    assert packed.fallback_ops  # the log-sum-exp's read of the int4 cache
+    torch.testing.assert_close(got[0], module(y, y, y, twin)[0], atol=1e-5, rtol=1e-5)

@@ -76,6 +76,15 @@ MODELS = {
         },
         {"eager"},
     ),  # fmt: skip
+    # a sink as a scale of the output, out * sigmoid(logsumexp(scores) - sink); sliding layers too
+    "granite_swa": (
+        "GraniteSWAConfig",
+        {
+            "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "sliding_window": 32, "layer_types": ["full_attention", "sliding_attention"],
+        },
+        {"eager"},
+    ),  # fmt: skip
     # differential attention: two SDPAs read one K cache; V is chunk(values, 2, dim=1)[c] tiled back
     "diffllama": (
         "DiffLlamaConfig",
