@@ -66,17 +66,20 @@ def _allow_recompiles() -> None:
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
 
 
+# Numbered across the process, not per backend: two compiled models (a draft model and its target) write
+# the same debug_dir, and one's graph_0 files must not replace the other's.
+_graph_ids = itertools.count()
+
+
 def rewrite_then(inner_compiler, config: KVConfig):
     """A Dynamo backend: rewrite attention sites of each graph, then hand it to ``inner_compiler``.
 
     The returned callable keeps a :class:`CompiledGraph` per graph in ``.graphs``.
     """
 
-    graph_ids = itertools.count()
-
     def kv4_compiler(gm: torch.fx.GraphModule, example_inputs, **compile_options):
         _allow_recompiles()
-        name = f"graph_{next(graph_ids)}"
+        name = f"graph_{next(_graph_ids)}"
         before = debug.normalize_graph_code(gm)
         sites = passes.rewrite(gm, config)
         record = CompiledGraph(name, before, debug.normalize_graph_code(gm), sites)

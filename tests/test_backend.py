@@ -293,14 +293,20 @@ def test_asymmetric_grids_leave_the_default_clipping_off():
 def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setenv("KVPASS_DEBUG", "1")
-    model = kv_heavy_llama(layers=1)
+    backends = []
     with caplog.at_level(logging.INFO, logger="kvpass"):
-        model.compile(backend=kvpass.kv4(debug_dir=str(tmp_path)))
-        model.generate(_ids(10), max_new_tokens=3, do_sample=False)
+        for layers in (1, 2):  # two models, each with a backend of its own, saving into one folder
+            model = kv_heavy_llama(layers=layers)
+            backends.append(kvpass.kv4(debug_dir=str(tmp_path)))
+            model.compile(backend=backends[-1])
+            model.generate(_ids(10), max_new_tokens=3, do_sample=False)
     assert "+++ graph_" in caplog.text and "kv4_decode" in caplog.text
-    assert "model.layers.0.self_attn" in caplog.text and "int4" in caplog.text
-    saved = sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir())
-    assert saved.count("diff") >= 2 and saved.count("sites.txt") >= 2
+    assert "model.layers.1.self_attn" in caplog.text and "int4" in caplog.text
+    names = [graph.name for backend in backends for graph in backend.graphs]
+    assert len(backends[0].graphs) >= 2 and len(set(names)) == len(names)
+    for ending in ("before.py", "after.py", "diff", "sites.txt"):
+        assert sorted(p.name for p in tmp_path.glob(f"*.{ending}")) == sorted(f"{name}.{ending}" for name in names)
+    assert (tmp_path / f"{backends[0].graphs[0].name}.diff").read_text() == backends[0].graphs[0].diff
 
 
 # inductor compiles C++ on CPU: about 20 s on 2 cores, worth it for the default GPU inner compiler.
