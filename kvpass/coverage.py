@@ -414,7 +414,8 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
         # Exact, but an fp copy of the cache each step: neither kv4's memory nor its speed.
         status = "read dequantized"
         ops = ", ".join(sorted(packed_module.fallback_ops))
-        reasons.append(f"the compiled steps ran {ops} on the int4 cache dequantized (a read the rewrite left)")
+        reasons.append(f"kv4's steps ran {ops} on the int4 cache dequantized (a read the rewrite left, or a step "
+                       "Dynamo ran uncompiled)")  # fmt: skip
     logits_error = float((got - expected).abs().max()) if packed else None
     if logits_error is not None and not logits_error <= TWIN_TOLERANCE:  # NaN too
         status = "wrong logits"
@@ -624,9 +625,9 @@ def markdown(rows: list[dict], summary: dict, commands: list[str], notes: str = 
         f"hidden {TINY['hidden_size']}, head_dim {TINY['head_dim']} where the config has these), "
         f"a {PROMPT_TOKENS}-token prompt, one decode step compared with the eager model",
         f"reading the same quantized past (`logits error`, max abs; over {TWIN_TOLERANCE:g} or not finite, the",
-        "status is `wrong logits`); `read dequantized`: every site rewritten, but a compiled step ran an op on",
-        "the int4 cache dequantized (an fp copy); `bytes` is stored / fp16 bytes of",
-        "the packed layers. Rows are this machine's findings, not claims about the real models.",
+        "status is `wrong logits`); `read dequantized`: every site rewritten, but a step ran an op on the int4",
+        "cache dequantized (an fp copy: a read the rewrite left, or a step Dynamo ran uncompiled); `bytes` is",
+        "stored / fp16 bytes of the packed layers. Rows are this machine's findings, not claims about the real models.",
         "",
         f"**{summary['fully_rewritten']} of {summary['with_attention_cache_running_eagerly']}** types that have an "
         f"attention KV cache and run eagerly are fully rewritten{share}; "

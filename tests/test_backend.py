@@ -642,7 +642,8 @@ def test_an_attention_whose_scores_are_read_elsewhere_keeps_its_appends_apart(ca
     x, y = (torch.randn(1, 2, n, 64, generator=torch.Generator().manual_seed(n)) for n in (70, 1))
     step(x, x, x, cache)
     module(x, x, x, twin)  # the past as the decode step reads it
-    twin.layers[0].keys, twin.layers[0].values = (t.dequantize() for t in (cache.layers[0].keys, cache.layers[0].values))
+    layer = cache.layers[0]
+    twin.layers[0].keys, twin.layers[0].values = layer.keys.dequantize(), layer.values.dequantize()
     got = step(y, y, y, cache)
     assert isinstance(cache.layers[0].keys, PackedKV) and all(site.rewritten for site in backend.graphs[-1].sites)
     assert "kv4_append(" in backend.graphs[-1].after and "kv4_decode(" not in backend.graphs[-1].after
