@@ -756,7 +756,7 @@ def _peel_scaled_sink(scores: fx.Node, out: fx.Node, nodes: list[fx.Node]) -> tu
         if not _is_call(node, (target,), name):
             return unread(f"{chain[-1].name} is read by {getattr(node, 'name', 'several nodes')}, not {name}")
         chain.append(node)
-    if (node.args[1:] or (node.kwargs.get("dim"),))[0] not in (-1, _val(node).dim() - 1):
+    if (node.args[1:] or (node.kwargs.get("dim"),))[0] not in (-1, _val(scores).dim() - 1):
         return unread(f"{node.name} does not add the last dimension")
     product = past_casts(node)
     if not (_is_call(product, (operator.mul,)) and {*product.args} == {out, chain[-1]} and len(out.users) == 1):
@@ -954,8 +954,9 @@ def _match_eager(softmax: fx.Node) -> _Attention:
     output, scaled_sink = _peel_scaled_sink(scores_input, out, scaled_nodes)
     if sink is not None and scaled_sink is not None:
         raise NoMatch(f"two attention sinks: a column of the scores and {scaled_sink.name}, a scale of the output")
-    if (sink or scaled_sink) is not None and not (scores.bias or scores.keep is not None or scores.drop is not None):
-        raise NoMatch(f"attention sink {(sink or scaled_sink).name} with no mask to carry it")
+    any_sink = sink if sink is not None else scaled_sink
+    if any_sink is not None and not (scores.bias or scores.keep is not None or scores.drop is not None):
+        raise NoMatch(f"attention sink {any_sink.name} with no mask to carry it")
     value, value_reader, nodes = out.args[1], out, [*scaled_nodes, out]
     if out.target is torch.bmm:
         value = _folded_heads(value, "V")
