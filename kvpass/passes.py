@@ -1314,9 +1314,37 @@ def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict)
         return None, "K and V are one tensor"
     if attn.tiles > 1:
         return None, "its query heads are tiled over the cache's"
-    if order.get(attn.query, len(order)) > order[k.node]:
-        return None, "its query is computed after the cache update"
+    if order.get(attn.query, len(order)) > order[k.node] and not _hoist_before(attn.query, k.node, order):
+        return None, "its query is computed after the cache update, from more than views and casts of an earlier one"
     return attn.query, ""
+
+
+# Ops that only reshape or cast one tensor: moving them earlier changes no value.
+HOISTABLE_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "to", "float", "unsqueeze")
+
+
+def _is_view_or_cast(node: fx.Node) -> bool:
+    return _is_call(node, (torch.reshape, torch.transpose, torch.permute)) or (
+        node.op == "call_method" and node.target in HOISTABLE_METHODS
+    )
+
+
+def _hoist_before(node: fx.Node, anchor: fx.Node, order: dict) -> bool:
+    """Move ``node`` before ``anchor`` where the nodes between that it comes from are views and casts of
+    one value computed before ``anchor`` (GPT-Neo casts its query to fp32 after the cache update, XGLM
+    splits its heads there); True if it was moved."""
+    chain = []
+    while order.get(node, len(order)) > order[anchor]:
+        if not (_is_view_or_cast(node) and node.args and isinstance(node.args[0], fx.Node)):
+            return False
+        if any(order.get(n, len(order)) > order[anchor] for n in node.all_input_nodes if n is not node.args[0]):
+            return False  # a size computed after the update
+        chain.append(node)
+        node = node.args[0]
+    for i, moved in enumerate(reversed(chain), 1):
+        anchor.prepend(moved)
+        order[moved] = order[anchor] - 1 + i / (len(chain) + 1)  # between anchor's predecessor and it
+    return True
 
 
 def _rewrite_site(

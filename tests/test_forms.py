@@ -482,3 +482,27 @@ def test_projections_not_in_mlas_form_keep_them_and_say_why(caplog):
     for name in ("keys", "values"):
         setattr(reference.layers[0], name, PackedKV.from_float(getattr(reference.layers[0], name), spec).dequantize())
     torch.testing.assert_close(got, module(y, y, y, reference), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["flint", "xglm"])  # a query cast after the update; split into heads after it
+@torch.no_grad()
+def test_a_query_cast_or_split_after_the_cache_update_gives_k_its_query_scales(model_type):
+    """The views and casts that make the attention's query after the cache update move before it, so the
+    K write takes query scales and query rounding (heads of 32 channels: K's spec with its extras)."""
+    from kvpass.coverage import tiny_config
+
+    torch._dynamo.reset()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    backend = kvpass.kv4()
+    if model_type == "flint":  # its attention goes through AttentionInterface, so the twin sees its queries
+        got, expected, cache = _decode_with_kv4_and_twin(model, backend)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    else:
+        cache = DynamicCache(config=model.config)
+        ids = torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(0))
+        torch.compile(model, backend=backend)(input_ids=ids, **cache_arg(cache), use_cache=True)
+    assert all(layer.keys.query_scales is not None for layer in cache.layers)
+    reasons = [site.reason for graph in backend.graphs for site in graph.sites]
+    assert reasons and not any("query is computed after the cache update" in reason for reason in reasons), reasons
