@@ -1141,11 +1141,11 @@ def _fallback(func, args, kwargs):
     tracing = any(isinstance(a, PackedKV) and isinstance(a.codes, FakeTensor) for a in args)
     if not tracing:
         fallback_ops[name] += 1
-    if fallback_ops[name] == 1 and not tracing:
-        log.warning(
-            "kvpass: %s has no int4 implementation; computing it on the dequantized cache (a kv4 cache read "
-            "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)", name
-        )  # fmt: skip
+        if fallback_ops[name] == 1:
+            log.warning(
+                "kvpass: %s has no int4 implementation; computing it on the dequantized cache (a kv4 cache read "
+                "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)", name
+            )  # fmt: skip
 
     def plain(x):
         return x.dequantize() if isinstance(x, PackedKV) else x

@@ -787,8 +787,7 @@ def _is_float_input(x) -> bool:
 
 
 def _is_fp32_cast(node) -> bool:
-    to_fp32 = _is_call(node, (), "to") and node.args[1:] == (torch.float32,) and not node.kwargs
-    return _is_call(node, (), "float") or to_fp32
+    return _is_dtype_cast(node) and (node.target == "float" or node.args[1] is torch.float32)
 
 
 def _folded_heads(flat: fx.Node, role: str) -> fx.Node:
@@ -1319,13 +1318,10 @@ def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict)
     return attn.query, ""
 
 
-# Ops that only reshape or cast one tensor: moving them earlier changes no value.
-HOISTABLE_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "to", "float", "unsqueeze")
-
-
 def _is_view_or_cast(node: fx.Node) -> bool:
+    """A view, copy or cast of its first argument: moving it earlier changes no value."""
     return _is_call(node, (torch.reshape, torch.transpose, torch.permute)) or (
-        node.op == "call_method" and node.target in HOISTABLE_METHODS
+        node.op == "call_method" and node.target in VIEW_METHODS
     )
 
 
@@ -1600,7 +1596,7 @@ def _match_expansion(attn: _Attention) -> _Expansion:
             size_reads.append(part)  # the batch or the length, which the rotary latent has too
             continue
         index = part.args[1] if part.target is operator.getitem else None
-        copy = next(iter(part.users)) if len(part.users) == 1 else None
+        copy = _single_user(part)
         if not (_is_last_dim_slice(index) and _is_call(copy, method="copy_") and copy.args[0] is part):
             raise NoMatch(f"K is read by {part.name} besides attention and the two copies filling it")
         copies[index[-1].start, index[-1].stop] = copy
