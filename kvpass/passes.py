@@ -1307,15 +1307,18 @@ def _returned_evictions(write: _CacheWrite) -> list[fx.Node]:
     return [e for e in write.evictions if all(user.op == "output" for user in e.users)]
 
 
-def _scales_query(attn: _Attention, k: _CacheWrite, v: _CacheWrite, order: dict) -> tuple[fx.Node | None, str]:
+def _scales_query(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWrite,
+                  order: dict) -> tuple[fx.Node | None, str]:  # fmt: skip
     """The query a K write takes query scales or query rounding from, or None and why there is none."""
     if k.node is v.node:  # V would be read as stored, times the scales
         return None, "K and V are one tensor"
-    if attn.tiles > 1:
-        return None, "its query heads are tiled over the cache's"
     if order.get(attn.query, len(order)) > order[k.node] and not _hoist_before(attn.query, k.node, order):
         return None, "its query is computed after the cache update, from more than views and casts of an earlier one"
-    return attn.query, ""
+    if attn.tiles == 1:
+        return attn.query, ""
+    # The write groups query heads by the KV head they read, as the op does (JetMoE).
+    with graph.inserting_before(k.node):
+        return _grouped_heads(graph, attn.query, attn.tiles), ""
 
 
 def _is_view_or_cast(node: fx.Node) -> bool:
@@ -1902,7 +1905,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         uses += ["query rounding"] if k_spec.query_rounded and k.node is not v.node else []
         # A write an earlier site read is stored already, with that site's query: nothing to say here.
         if uses and not _is_static(k) and k.node not in shared.packed:
-            query, why = _scales_query(attn, k, v, order)
+            query, why = _scales_query(graph, attn, k, v, order)
             if query is None:
                 notes.append(f"K is stored without {' and '.join(uses)}: {why}")
         if query is None and k_spec.query_rounded:

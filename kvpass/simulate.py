@@ -115,7 +115,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, fills_pads, state,
     )
     first_update = not state
     if first_update:
-        state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)], fills_pads=fills_pads)
+        state.update(seen=0, prefixes=[(0, None), _prefix(value_states, v_spec)], fills_pads=fills_pads,
+                     kv_heads=key_states.shape[1])  # fmt: skip
         if k_spec is not None and k_spec.defer_prefix:
             state["queries"] = []  # K waits, exact, for prefix_tokens tokens (and their queries)
     elif "first_keys" in state or "rounding_pending" in state:
@@ -140,7 +141,7 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, fills_pads, state,
         seen = state["seen"]
         span = (0 if deferred or first_update else seen - key_states.shape[2], seen)
         if k_spec.rounds(key_states.shape[2]):
-            state.update(rounding_pending=span, rounded_spec=k_spec, kv_heads=key_states.shape[1])
+            state.update(rounding_pending=span, rounded_spec=k_spec)
             _await_queries(state)
         else:
             state.setdefault("rounding", []).append((*span, None))
@@ -257,6 +258,20 @@ def _fix_query_scales(state: dict, query: torch.Tensor, pads: torch.Tensor | Non
     state["prefixes"][0] = _prefix(by_query_scales(first, state["query_scales"], 1), spec, pads)
 
 
+def _in_grouped_order(query: torch.Tensor, key: torch.Tensor | None, kv_heads: int) -> torch.Tensor:
+    """``query`` with its heads ordered as the KV heads they read, in groups (head ``g * n + r`` reads KV
+    head ``g``): reordered where attention reads ``key`` as the layer's KV heads tiled ``n`` times
+    (JetMoE's ``key.repeat(1, n, 1, 1)``: head ``r * H_kv + g`` reads ``g``), which shapes alone do not
+    tell from groups (``repeat_kv``) and the key's values do."""
+    heads = query.shape[1]
+    if kv_heads == 1 or not torch.is_tensor(key) or key.shape[1] != heads or heads == kv_heads:
+        return query
+    tiles = heads // kv_heads
+    if not torch.equal(key, key[:, :kv_heads].repeat(1, tiles, 1, 1)):
+        return query
+    return query.unflatten(1, (tiles, kv_heads)).transpose(1, 2).flatten(1, 2)
+
+
 def _observing(attention):
     """``attention`` (an HF attention function) handing its queries to the layer awaiting them."""
     if getattr(attention, "observes_queries", False):
@@ -268,9 +283,11 @@ def _observing(attention):
             # The latest update's layer is this call's; an older one missed its queries, and says so.
             state = _awaiting_queries.pop()
             _awaiting_queries.clear()
+            key = kwargs.get("key", args[0] if args else None)
             mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
             bool_mask = torch.is_tensor(mask) and mask.dtype == torch.bool  # as kv4_append reads masks
-            _take_queries(state, query, masked_pads(mask, query.shape[0]) if bool_mask else None)
+            grouped = _in_grouped_order(query, key, state["kv_heads"])
+            _take_queries(state, grouped, masked_pads(mask, query.shape[0]) if bool_mask else None)
         return attention(module, query, *args, **kwargs)
 
     observed.observes_queries = True
@@ -345,8 +362,7 @@ class RoundedKVCache(DynamicCache):
 def k_spec_as_stored(k_spec: QuantSpec, keys) -> QuantSpec:
     """``k_spec`` as kv4 stored these packed K caches: without query scales where one holds none
     after a long enough prompt, without query rounding where one's spec lacks it (a site kept K
-    unscaled or rounded to nearest, e.g. tiled query heads, which the twin cannot tell from GQA
-    groups by their shapes)."""
+    unscaled or rounded to nearest: one where no query came, ``kvpass.passes._scales_query``)."""
     unscaled = any(t.spec.query_scaled and fixed_or_none(t.query_scales) is None for t in keys)
     unrounded = any(k_spec.for_head_dim(t.shape[-1]).query_rounded and not t.spec.query_rounded for t in keys)
     return dataclasses.replace(

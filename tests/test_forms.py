@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
-from kvpass import models_zoo
+from kvpass import models_zoo, passes
 from kvpass.cache_argument import cache_arg
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, k_spec_as_stored, observed_queries
@@ -149,7 +149,7 @@ def _decode_with_kv4_and_twin(model, backend):
         got = step(**inputs[1], **cache_arg(cache), use_cache=True).logits
 
     config = backend.config
-    k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # JetMoE's tiled heads: unscaled
+    k_spec = k_spec_as_stored(config.k, [layer.keys for layer in cache.layers])  # a site without a query: unscaled
     reference = SimulatedKVCache(model.config, k_spec, config.v)
     with observed_queries():
         model(**inputs[0], **cache_arg(reference), use_cache=True)
@@ -228,9 +228,26 @@ def test_a_model_after_one_of_another_head_dim_reads_no_fp_copy_of_its_cache(nam
 
 
 @torch.no_grad()
-def test_query_rounded_k_at_a_site_without_a_query_is_stored_and_simulated_rounded_to_nearest():
+def test_tiled_query_heads_give_k_query_scales_and_rounding_from_heads_grouped_as_the_op_reads_them():
+    """JetMoE's query head ``r * H_kv + g`` reads KV head ``g``: the K write and the twin group the
+    query heads by the KV head they read, so both take the same scales and rounding (read in tiled
+    order, the twin's logits differ by about 1e-5)."""
     torch._dynamo.reset()
-    # JetMoE tiles its query heads, so its site hands K no query; 32 channels keep K's extras.
+    model = _model("jetmoe", kv_channels=32)  # 32 channels keep K's extras
+    backend = kvpass.kv4()
+    got, expected, cache = _decode_with_kv4_and_twin(model, backend)
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert sites and all(site.rewritten and not site.reason for site in sites), [site.reason for site in sites]
+    assert all(layer.keys.query_scales is not None and layer.keys.spec.query_rounded for layer in cache.layers)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_query_rounded_k_at_a_site_without_a_query_is_stored_and_simulated_rounded_to_nearest(monkeypatch):
+    """No rewritten type's site lacks a query now (heads under 32 channels take no extras at all), so a
+    site is made to go without one."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(passes, "_scales_query", lambda *args: (None, "no query in this test"))
     model = _model("jetmoe", kv_channels=32)
     backend = kvpass.kv4(k_query_rounded=True)
     got, expected, cache = _decode_with_kv4_and_twin(model, backend)
