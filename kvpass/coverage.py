@@ -121,10 +121,11 @@ QWEN4_QSA = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 32
 DOTS3_TEXT = {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 64,
               "swa_kv_lora_rank": 32, "swa_head_dim": 48, "swa_qk_nope_head_dim": 32, "swa_v_head_dim": 32}  # fmt: skip
 # Gemma 3n's last layers read the K/V of the last earlier layer of their kind (15 of 35 in the checkpoints'):
-# 2 of 4 here, a sliding and a full layer each side.
-GEMMA3N_TEXT = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
-                "layer_types": ["sliding_attention", "full_attention"] * 2,
-                "intermediate_size": [TINY["intermediate_size"]] * 4,
+# 2 of 4 here, a sliding and a full layer each side. Gemma 4's config shares them the same way
+# (num_kv_shared_layers), which its default leaves off.
+SHARED_KV = {"num_hidden_layers": 4, "num_kv_shared_layers": 2,
+             "layer_types": ["sliding_attention", "full_attention"] * 2}  # fmt: skip
+GEMMA3N_TEXT = {**SHARED_KV, "intermediate_size": [TINY["intermediate_size"]] * 4,
                 "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0]}  # fmt: skip
 PROMPT_TOKENS = 70
 # The most a rewritten type's decode logits may differ from its eager twin's (tests/test_zoo_e2e.py's
@@ -159,6 +160,10 @@ PER_TYPE: dict[str, dict] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "gemma3n_text": GEMMA3N_TEXT,
     "gemma3n": {"text_config": GEMMA3N_TEXT},
+    "gemma4_text": SHARED_KV,
+    "gemma4": {"text_config": SHARED_KV},
+    "gemma4_unified_text": SHARED_KV,
+    "gemma4_unified": {"text_config": SHARED_KV},
     # the LM head model must be a decoder; axial positions must multiply to the positions and add up to the width
     "reformer": {"is_decoder": True, "axial_pos_shape": [32, 32], "axial_pos_embds_dim": [64, 64]},
     # the default config names no language for its per-language adapters
