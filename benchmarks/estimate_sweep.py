@@ -26,17 +26,17 @@ FLOAT32_TYPES = {"inkling2_text", "inkling2_loop_text"}
 
 def measure(model_type: str, prompt: int) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     import kvpass
     from kvpass.cache_argument import cache_arg
-    from kvpass.coverage import tiny_config
+    from kvpass.coverage import causal_lm, tiny_config
     from kvpass.estimate import DEEPSEEK_V4_STATE, kv_cache_bytes
     from kvpass.packed import PackedKV
 
     config = tiny_config(model_type)
     dtype = torch.float32 if model_type in FLOAT32_TYPES else torch.bfloat16
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model = causal_lm(config).to(dtype).eval()
     step = torch.compile(model, backend=kvpass.kv4())
     vocab = min(config.get_text_config(decoder=True).vocab_size or 256, 256)
     ids = torch.randint(3, vocab, (BATCH, prompt), generator=torch.Generator().manual_seed(0))

@@ -49,10 +49,8 @@ FUSED = (cpu_steps._decode_step, cpu_steps._decode_attention)
 def _model(name: str, from_coverage: bool):
     if not from_coverage:
         return build(name)
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)  # as kvpass coverage builds it
-    return AutoModelForCausalLM.from_config(coverage.tiny_config(name)).eval()
+    return coverage.causal_lm(coverage.tiny_config(name)).eval()
 
 
 @torch.no_grad()

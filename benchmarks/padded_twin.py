@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 import kvpass
 from kvpass.cache_argument import cache_arg
-from kvpass.coverage import PROMPT_TOKENS, TWIN_TOLERANCE, tiny_config
+from kvpass.coverage import PROMPT_TOKENS, TWIN_TOLERANCE, causal_lm, tiny_config
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
 
@@ -32,7 +32,7 @@ def padded_step_error(model_type: str) -> tuple[float, list]:
     """``(max |kv4 - twin|, filled_pads of each packed K cache)`` of a padded batch's first decode step."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    model = causal_lm(tiny_config(model_type)).eval()
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
     ids = torch.randint(3, vocab, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

@@ -196,7 +196,30 @@ def set_head_dim(head_dim: int) -> None:
 def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted({*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *_unmapped_causal_lms()})
+
+
+def _unmapped_causal_lms() -> dict[str, str]:
+    """Model types whose ``*ForCausalLM`` class another auto mapping names and the causal-LM one does not
+    (transformers 5.24 maps Mistral 4's as image-text-to-text only), with that class's name."""
+    import transformers.models.auto.modeling_auto as auto
+
+    return {model_type: name for mapping_name, mapping in vars(auto).items()
+            if mapping_name.startswith("MODEL_") and mapping_name.endswith("_MAPPING_NAMES")
+            for model_type, name in mapping.items()
+            if isinstance(name, str) and name.endswith("ForCausalLM")
+            and model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}  # fmt: skip
+
+
+def causal_lm(config):
+    """An untrained causal LM of ``config``: ``AutoModelForCausalLM``'s, or the class another auto mapping
+    names for its type (:func:`causal_lm_types`)."""
+    import transformers
+
+    unmapped = _unmapped_causal_lms().get(config.model_type)
+    if unmapped is None:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return getattr(transformers, unmapped)._from_config(config)
 
 
 def tiny_config(model_type: str):
@@ -329,7 +352,7 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     arguments, checked instead of its defaults."""
     settings = settings or {}
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     import kvpass
@@ -343,7 +366,7 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     try:
         config = tiny_config(model_type)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
+        model = causal_lm(config).eval()
     except Exception as err:  # noqa: BLE001 - any failure is this row's finding
         return {**row, "status": "no tiny model", "reason": _short(err)}
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
@@ -407,7 +430,9 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
         return {**row, "status": "kv4 fails", "reason": _short(err)}
 
     sites = [site for graph in backend.graphs for site in graph.sites]
-    tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)]
+    # A tensor of no values stores nothing to quantize (a layer without RoPE's rotary key, in MLA).
+    tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)
+               if t.numel()]  # fmt: skip
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     status, reasons = site_status(sites, len(tensors), len(packed))
     if checked_unscaled and packed:

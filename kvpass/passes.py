@@ -490,6 +490,8 @@ def _check_packable(write: _CacheWrite, spec: QuantSpec, role: str):
     D = _val(write.new).shape[-1]
     if not isinstance(D, int):
         raise NoMatch(f"{role} head_dim is symbolic ({D})")
+    if D == 0:  # Mistral Large 4's rotary key in its layers without RoPE
+        raise NoMatch(f"{role} has no channels: it stores nothing to quantize")
     if D % (8 // spec.bits):
         raise NoMatch(f"{role} head_dim {D} cannot be packed {8 // spec.bits} codes per byte")
     if write.evictions and spec.scheme == "channel":
@@ -1559,6 +1561,14 @@ def _latent_read(node: fx.Node, role: str) -> _LatentRead:
                   "with them, or a rolled window's")  # fmt: skip
 
 
+def _channel_free_read(node: fx.Node) -> _LatentRead | None:
+    """A rotary latent of no channels (Mistral Large 4's layers without RoPE), which no cache packs
+    (:func:`_check_packable`), read as HF joins it: ``cat([past, new])``."""
+    if _is_sequence_cat(node) and _val(node) is not None and _known(_val(node).shape[-1] == 0):
+        return _LatentRead([node], *node.args[0])
+    return None
+
+
 def _is_last_dim_slice(index) -> bool:
     """``x[..., a:b]`` or ``x[:, :, :, a:b]`` of a 4-D ``x``."""
     if not (isinstance(index, tuple) and isinstance(index[-1], slice) and index[-1].step is None):
@@ -1610,7 +1620,8 @@ def _match_expansion(attn: _Attention) -> _Expansion:
     if not (nope_copy.args[1].target is operator.getitem and nope_copy.args[1].args == (split, 0)
             and _is_call(expand, method="expand")):  # fmt: skip
         raise NoMatch("K is not the projection's first part beside the rotary latent expanded over heads")
-    latent, rope = _latent_read(linear.args[0], "latent"), _latent_read(expand.args[0], "rotary latent")
+    latent = _latent_read(linear.args[0], "latent")
+    rope = _channel_free_read(expand.args[0]) or _latent_read(expand.args[0], "rotary latent")
     if _val(latent.new).shape[1] != 1 or _val(rope.new).shape[1] != 1:
         raise NoMatch("the latents have more than one head")
     if _val(attn.query).shape[-1] != nope + _val(rope.new).shape[-1]:

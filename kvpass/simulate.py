@@ -109,8 +109,8 @@ def _simulated_update(base_update, k_spec, v_spec, fp_tokens, fills_pads, state,
         k_spec = v_spec = None if k_spec is None else dataclasses.replace(
             k_spec, query_scaled=False, defer_prefix=False, query_rounded=False
         )  # fmt: skip
-    k_spec, v_spec = (
-        None if spec is None else spec.for_head_dim(x.shape[-1])
+    k_spec, v_spec = (  # a tensor of no channels stays as it is in kv4 too (a layer without RoPE's rotary key)
+        None if spec is None or not x.shape[-1] else spec.for_head_dim(x.shape[-1])
         for x, spec in ((key_states, k_spec), (value_states, v_spec))
     )
     first_update = not state

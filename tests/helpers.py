@@ -61,7 +61,7 @@ def packed_and_fp16_bytes(cache, unwritten=()):
     assert [i for i, layer in enumerate(cache.layers) if getattr(layer, "keys", 0) is None] == list(unwritten)
     stored = fp16 = 0
     for t in cache_tensors(cache):
-        if t is None:
+        if t is None or not t.numel():  # no values, nothing to store (an MLA layer without RoPE's rotary key)
             continue
         assert isinstance(t, PackedKV), f"cache holds a {type(t).__name__}, not PackedKV"
         stored += t.stored_bytes()

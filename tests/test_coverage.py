@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvpass import cli, coverage, passes
-from kvpass.coverage import check_one, site_status, summarize, tiny_config
+from kvpass.coverage import causal_lm_types, check_one, site_status, summarize, tiny_config
 from kvpass.models_zoo import build
 from kvpass.passes import SiteReport
 
@@ -113,6 +113,14 @@ def test_inklings_attention_over_its_layers_is_no_site_to_rewrite():
     row = check_one("inkling2_text")
     assert (row["status"], row["sites"]) == ("rewritten", "4/4"), row
     assert row["reason"] == "8 attentions read no KV cache, left as they are (nothing to store)"
+
+
+def test_a_causal_lm_only_another_auto_mapping_names_is_checked_too():
+    # transformers 5.24 maps Mistral4ForCausalLM (MLA, a text LM) as image-text-to-text only, which the
+    # causal-LM types the matrix ran missed; the check builds it by that class.
+    assert "mistral4" in causal_lm_types()
+    row = check_one("mistral4")
+    assert (row["status"], row["sites"]) == ("rewritten", "4/4"), row
 
 
 def test_unknown_model_type_is_named():

@@ -309,6 +309,31 @@ def test_mla_at_a_second_batch_size_attends_as_at_the_first():
 
 
 @torch.no_grad()
+def test_an_mla_layer_without_rope_keeps_its_channel_free_rotary_key_and_attends_over_its_latent():
+    """Mistral Large 4's layers without RoPE cache a rotary key of 0 channels beside the latent: nothing to
+    quantize, so it stays a plain tensor (packing it had raised), and the decode still attends over the
+    int4 latent, its rotary scores all zero."""
+    from kvpass.coverage import tiny_config
+
+    torch._dynamo.reset()
+    config = tiny_config("mistral_large4")
+    assert config.text_config.no_rope_layers == [1, 0]  # layer 1 has no RoPE
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.MistralLarge4ForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 200, (2, 80), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    backend, got = latent_decode(model, ids, cache)
+    rotary = cache.layers[1].values
+    assert type(rotary) is torch.Tensor and tuple(rotary.shape) == (2, 1, 83, 0)
+    assert isinstance(cache.layers[1].keys, PackedKV)
+    decode = [site for graph in backend.graphs for site in graph.sites if site.phase == "latent"]
+    assert {site.index for site in decode} == {0, 1}
+    assert all(site.reason.startswith("attends over its int4 latent cache directly") for site in decode)
+    assert_latent_steps_match_twin(model, ids, got, backend.config.v)
+
+
+@torch.no_grad()
 def test_k_layer_bits_on_a_latent_cache_say_they_do_not_apply():
     torch._dynamo.reset()
     model = _tiny_deepseek_v3()
