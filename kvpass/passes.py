@@ -49,6 +49,10 @@ A site is an attention computation whose K and V lead back, through the view cha
   ``cat([past.dequantize(), new])``: what HF's cache would give it, at the cost of an fp
   copy of the cache per step (noted in the site report).
 
+An attention over K and V caches that the graph takes as packed inputs and does not write (an
+encoder-decoder's cross-attention after its first step: the encoder's output, stored once) reads them
+as stored, with no new tokens (phase ``read``, ``_read_stored``).
+
 A cache write that no attention reads directly, only projections of it (MLA: DeepSeek-V2/V3
 and kin cache a compressed latent and expand it into K and V after the read), is a latent
 cache: stored int4 with the V spec (per-token groups, any length), its readers given
@@ -165,7 +169,7 @@ class _Bias:
 class _CacheWrite:
     node: fx.Node  # the write: torch.cat (DynamicCache) or buffer.index_copy_ (StaticCache)
     past: fx.Node | None  # None: the empty tensor of a fresh DynamicCache layer
-    new: fx.Node
+    new: fx.Node | None  # None: nothing written, the cache read as stored (_stored_read)
     chain: list[fx.Node]  # view nodes between the cache and attention, nearest to attention first
     # `full[:, :, -(window - 1):]` of a sliding-window layer: what it keeps for later steps
     evictions: list[fx.Node] = dataclasses.field(default_factory=list)
@@ -1303,6 +1307,34 @@ def _append_with_attention(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v:
     counters["decode_appends_with_attention"] += 1
 
 
+def _read_stored(graph: fx.Graph, attn: _Attention) -> None:
+    """Replace an attention over K and V caches that this graph takes and never writes (an encoder-decoder's
+    cross-attention after its first step: the encoder's output, stored once) by ``kv4_sdpa`` over them with
+    no new tokens, for every attention form; SDPA over them would read them int4 too (``PackedKV``), an eager
+    form dequantized."""
+    k = _stored_read(attn.key, attn.key_reader, "K")
+    v = _stored_read(attn.value, attn.value_reader, "V")
+    if attn.is_causal or attn.sink is not None or attn.scaled_sink is not None:
+        raise NoMatch("a causal mask or a sink over caches read with no new tokens")
+    attn.tiles = _tiles(k.chain)
+    if attn.tiles != _tiles(v.chain) or k.heads is not None:
+        raise NoMatch("K and V are tiled differently, or K reads a chunk of the stored heads")
+    if attn.tiles > 1:
+        _check_tiled_masks(attn)
+    specs = (_val(k.past).spec, _val(v.past).spec)
+    _fused_attention(graph, attn, k, v, k.past, v.past, specs)
+
+
+def _stored_read(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
+    """``arg``'s cache as :func:`_read_stored` reads it: a packed graph input that nothing writes in place."""
+    root, chain = _walk_view_chain(arg)
+    if root.op != "placeholder" or not isinstance(_val(root), PackedKV):
+        raise NoMatch(f"{role} is not a packed cache this graph takes")
+    if any(_writes_in_place(user) for user in root.users):
+        raise NoMatch(f"{role} cache {root.name} is written in place")
+    return _CacheWrite(root, root, None, chain, reader=chain[-1] if chain else reader, heads=_selected_heads(chain))
+
+
 def _returned_evictions(write: _CacheWrite) -> list[fx.Node]:
     """A sliding layer's eviction slices of ``write`` that only the graph's output reads: wherever HF
     slices (before its attention), they can follow the call that appends."""
@@ -1314,6 +1346,8 @@ def _scales_query(graph: fx.Graph, attn: _Attention, k: _CacheWrite, v: _CacheWr
     """The query a K write takes query scales or query rounding from, or None and why there is none."""
     if k.node is v.node:  # V would be read as stored, times the scales
         return None, "K and V are one tensor"
+    if not _known(_val(attn.query).shape[2] == _val(k.new).shape[2]):
+        return None, "its query has other tokens than the write stores (cross-attention over an encoder's output)"
     if order.get(attn.query, len(order)) > order[k.node] and not _hoist_before(attn.query, k.node, order):
         return None, "its query is computed after the cache update, from more than views and casts of an earlier one"
     if attn.tiles == 1:
@@ -1929,6 +1963,15 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         phase = _rewrite_site(graph, attn, k, v, site_config, shared, order, query, mask, fills_pads)
         reports.append(SiteReport(index, module, form, phase, True, "; ".join(notes)))
         counters[f"{form}_{phase}_site"] += 1
+    for report, node, *_ in unmatched:
+        try:
+            _read_stored(graph, ATTENTION_FORMS[report.form][1](node))
+        except NoMatch:
+            continue  # the site's own reason stands
+        report.rewritten, report.phase = True, "read"
+        report.reason = "attends over int4 caches an earlier step wrote (a cross-attention's, of the encoder's output)"
+        counters[f"{report.form}_read_site"] += 1
+    unmatched = [entry for entry in unmatched if not entry[0].rewritten]
     over_fp16_latents = _rewrite_latent_caches(graph, config, shared, [(report, node) for report, node, *_ in unmatched])
     for report, _, no_match, reads_no_cache in unmatched:
         if report.rewritten:

@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import kvpass
-from kvpass import models_zoo, passes
+from kvpass import models_zoo, packed, passes
 from kvpass.cache_argument import cache_arg
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, k_spec_as_stored, observed_queries
@@ -256,6 +256,63 @@ def test_query_rounded_k_at_a_site_without_a_query_is_stored_and_simulated_round
                for site in sites)  # fmt: skip
     assert all(not layer.keys.spec.query_rounded and layer.keys.spec.query_scaled for layer in cache.layers)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+# Encoder-decoders: BART (SDPA) and T5 (eager, a position bias added to the scores).
+SEQ2SEQ = {
+    "bart": ("BartConfig", "BartForConditionalGeneration", {
+        "d_model": 64, "encoder_layers": 1, "decoder_layers": 2, "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_position_embeddings": 128,
+    }),
+    "t5": ("T5Config", "T5ForConditionalGeneration", {
+        "d_model": 64, "d_kv": 32, "num_heads": 2, "num_layers": 1, "num_decoder_layers": 2, "d_ff": 64,
+    }),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SEQ2SEQ))
+@torch.no_grad()
+def test_an_encoder_decoder_stores_both_caches_int4_and_decodes_as_over_them_dequantized(name):
+    """A decoder caches its cross-attention's K/V (the encoder's output), written by the first decoder step
+    and read by every later one, beside its self-attention's. That first write's query has other tokens
+    than it stores, so its K takes no query scales (asking for them had raised); later steps attend over
+    the int4 cache as stored. A later step's logits are the eager model's over the caches dequantized."""
+    from transformers import EncoderDecoderCache
+
+    config_class, model_class, sizes = SEQ2SEQ[name]
+    torch._dynamo.reset()
+    config = getattr(transformers, config_class)(vocab_size=256, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(config).eval()
+    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(0))
+    encoded = model.get_encoder()(input_ids=ids)
+    steps = torch.randint(3, 256, (2, 3), generator=torch.Generator().manual_seed(1))
+    backend = kvpass.kv4()
+    step = torch.compile(model, backend=backend)
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    for i in range(2):
+        step(encoder_outputs=encoded, decoder_input_ids=steps[:, i : i + 1], **cache_arg(cache), use_cache=True)
+    caches = (cache.self_attention_cache, cache.cross_attention_cache)
+    assert all(isinstance(t, PackedKV) for c in caches for layer in c.layers for t in (layer.keys, layer.values))
+    assert [layer.keys.shape[2] for layer in cache.cross_attention_cache.layers] == [70, 70]
+
+    dequantized = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    for c, twin in zip(caches, (dequantized.self_attention_cache, dequantized.cross_attention_cache)):
+        for index, layer in enumerate(c.layers):
+            twin.update(layer.keys.dequantize(), layer.values.dequantize(), index)
+    dequantized.is_updated = dict.fromkeys(range(2), True)  # cross-attention: read, not written again
+    got = step(encoder_outputs=encoded, decoder_input_ids=steps[:, 2:], **cache_arg(cache), use_cache=True).logits
+    expected = model(encoder_outputs=encoded, decoder_input_ids=steps[:, 2:], **cache_arg(dequantized),
+                     use_cache=True).logits  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # fp caches: 7e-4 away (BART)
+    sites = [site for graph in backend.graphs for site in graph.sites]
+    assert all(site.rewritten for site in sites), [site.reason for site in sites if not site.rewritten]
+    cross = [site for site in sites if site.index % 2]  # each decoder layer: self-attention, then cross
+    assert {site.phase for site in cross} == {"prefill", "read"}
+    assert all("its query has other tokens than the write stores" in site.reason
+               for site in cross if site.phase == "prefill")  # fmt: skip
+    assert not packed.fallback_ops  # no step read an int4 cache dequantized
 
 
 def _tiny_deepseek_v3(layers=2):
