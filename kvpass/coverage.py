@@ -432,7 +432,7 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     sites = [site for graph in backend.graphs for site in graph.sites]
     # A tensor of no values stores nothing to quantize (a layer without RoPE's rotary key, in MLA).
     tensors = [t for layer in cache.layers if isinstance(layer, DynamicLayer) for t in (layer.keys, layer.values)
-               if t.numel()]  # fmt: skip
+               if t is None or t.numel()]  # fmt: skip
     packed = [t for t in tensors if isinstance(t, PackedKV)]
     status, reasons = site_status(sites, len(tensors), len(packed))
     if checked_unscaled and packed:
