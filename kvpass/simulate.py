@@ -264,10 +264,9 @@ def _in_grouped_order(query: torch.Tensor, key: torch.Tensor | None, kv_heads: i
     (JetMoE's ``key.repeat(1, n, 1, 1)``: head ``r * H_kv + g`` reads ``g``), which shapes alone do not
     tell from groups (``repeat_kv``) and the key's values do."""
     heads = query.shape[1]
-    if kv_heads == 1 or not torch.is_tensor(key) or key.shape[1] != heads or heads == kv_heads:
-        return query
     tiles = heads // kv_heads
-    if not torch.equal(key, key[:, :kv_heads].repeat(1, tiles, 1, 1)):
+    if (tiles < 2 or not torch.is_tensor(key) or key.shape[1] != heads
+            or not torch.equal(key, key[:, :kv_heads].repeat(1, tiles, 1, 1))):  # fmt: skip
         return query
     return query.unflatten(1, (tiles, kv_heads)).transpose(1, 2).flatten(1, 2)
 
