@@ -407,6 +407,13 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
     (the layer's first forward, compiled): ``past`` is then the ``torch.zeros`` node.
     """
     writes = [n for n in buffer.users if _is_slot_write(n)] or [n for n in buffer.users if _is_roll_write(buffer, n)]
+    if not writes and buffer.op == "placeholder" and not isinstance(_val(buffer), PackedKV):
+        # Dynamo broke the graph between the update and the attention (transformers' warning under
+        # output_attentions=True is one such break); the earlier graph stored the cache as it came.
+        raise NoMatch(
+            f"{role} does not come from a cache write: it is {buffer.name}, an fp tensor this graph takes in and "
+            f"writes nothing into (a cache updated in an earlier graph, across a graph break, stays fp16)"
+        )
     if len(writes) != 1:
         raise NoMatch(f"{role} does not come from a cache write: it is {buffer.name}, not written here")
     if _is_buffer_ctor(buffer):
@@ -1773,7 +1780,9 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
         if all(user is node or user.op == "output" or _is_stored_sequence_slice(user) for user in read.users):
             # A latent's whole cache is read by the step that writes it; a history only kept is not
             # (QuantizedCache's fp residual, which its next step reads beside its quantized tokens).
-            log.debug("kvpass: cache %s stays as it is: nothing in this graph reads it", cache.name)
+            log.info("kvpass: cache write %s stays fp16: no attention in this graph reads it (a history kept for "
+                     "a later step, or a cache whose attention lies past a graph break: TORCH_LOGS=graph_breaks "
+                     "says where Dynamo broke)", cache.name)  # fmt: skip
             continue
         try:
             if static:

@@ -208,6 +208,30 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     assert passes.counters["site_left_fp16"] == left_before + 2
 
 
+def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_says_so(caplog):
+    """transformers' warning under output_attentions=True breaks every attention's graph after the cache
+    update: the write's graph has no attention to rewrite, the attention's graph no write. Each says so,
+    and the result is the eager one (nothing was quantized)."""
+    torch._dynamo.reset()
+    backend = kvpass.kv4()
+
+    def write_then_attend(q, k_past, k_new, v_past, v_new):
+        k, v = torch.cat([k_past, k_new], dim=-2), torch.cat([v_past, v_new], dim=-2)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v), k, v
+
+    q, past, new = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 1, 16)
+    with caplog.at_level(logging.INFO, logger="kvpass"):
+        out, k, _ = torch.compile(write_then_attend, backend=backend)(q, past, new, past, new)
+    torch.testing.assert_close(out, write_then_attend(q, past, new, past, new)[0], rtol=0, atol=0)
+    assert type(k) is torch.Tensor
+    write, attention = backend.graphs
+    assert write.sites == [] and write.before == write.after
+    assert caplog.text.count("stays fp16: no attention in this graph reads it") == 2
+    (site,) = attention.sites
+    assert site.left_fp16 and "across a graph break, stays fp16" in site.reason and site.reason in caplog.text
+
+
 def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
     """Inkling2 attends over its layers' outputs, per token: K and V descend from nothing a cache could
     hold, so no cache write is missed there, and the site says so rather than "left fp16". K computed
