@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -10,7 +11,7 @@ import math
 from collections import Counter
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, disable_fake_tensor_cache
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops, reference
@@ -216,13 +217,14 @@ class PackedKV(torch.Tensor):
         first = self._is_empty and not self.residual.shape[2]
         fills = first and fills_pads and pads is not None
         filled = reference.filled_pads(pads, new.shape[2]) if fills else self.filled_pads
-        if self._waiting:
-            return _marked_growing(self._held_append(new, query, pads, filled))
-        # Only a first append takes query scales: decode steps skip the energy.
-        energy = None
-        if query is not None and self._is_empty:
-            energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
-        return _marked_growing(self._quantized_append(new, energy, query, pads, filled))
+        with _fake_dispatch_uncached(self.codes, new):
+            if self._waiting:
+                return _marked_growing(self._held_append(new, query, pads, filled))
+            # Only a first append takes query scales: decode steps skip the energy.
+            energy = None
+            if query is not None and self._is_empty:
+                energy = reference.query_energy(query, new.shape[1], self.spec, pads=pads)
+            return _marked_growing(self._quantized_append(new, energy, query, pads, filled))
 
     def _quantized_append(self, new: torch.Tensor, q_energy: torch.Tensor | None, query: torch.Tensor | None,
                           pads: torch.Tensor | None, filled: torch.Tensor) -> PackedKV:  # fmt: skip
@@ -287,7 +289,9 @@ class PackedKV(torch.Tensor):
         if not self._is_empty:
             return head, offset, new
         sinks, takes_offset = self.spec.prefix(new.shape[2])
-        if takes_offset:
+        if takes_offset and _shapes_only(new):  # a mean's statistics, traced only for its shape
+            offset = new.new_empty((*new.shape[:2], 1, new.shape[3]), dtype=reference.SCALE_DTYPE)
+        elif takes_offset:
             offset = reference.center_offset(new, self.spec, rotator=ops.rotate, pads=pads)
         new = reference.with_pads_filled(new, filled)
         if sinks:
@@ -506,6 +510,13 @@ def _shapes_only(*tensors: torch.Tensor) -> bool:
     return (all(type(t) is FakeTensor for t in tensors)
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is None
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is None)  # fmt: skip
+
+
+def _fake_dispatch_uncached(*tensors: torch.Tensor):
+    """Where :func:`_shapes_only`: the fake tensors' dispatch cache off. For an append's many small ops
+    it costs more than the ops: making an entry, and rebuilding an output from one, checks the
+    output's sizes symbolically (half of a SmolLM2 first generate's fake cats, docs/design.md)."""
+    return disable_fake_tensor_cache(tensors[0].fake_mode) if _shapes_only(*tensors) else contextlib.nullcontext()
 
 
 def _empty_rows(like: torch.Tensor, rows) -> torch.Tensor:

@@ -366,7 +366,8 @@ def test_an_append_on_fake_caches_gives_every_part_the_shape_it_has_for_real(spe
         real = real.append(x[:, :, prompt : prompt + tokens], q[:, :, prompt : prompt + tokens])
         assert fake.shape == real.shape
         for name in real.__tensor_flatten__()[0]:
-            assert getattr(fake, name).shape == getattr(real, name).shape, (name, tokens)
+            fake_part, real_part = getattr(fake, name), getattr(real, name)
+            assert (fake_part.shape, fake_part.dtype) == (real_part.shape, real_part.dtype), (name, tokens)
 
 
 @pytest.mark.parametrize("spec", [s for s in SHAPE_SPECS if s.scheme == "token"], ids=lambda s: s.tag)
