@@ -1123,9 +1123,13 @@ def _sdpa_impl(func, args, kwargs):
     if arg["dropout_p"] or q.requires_grad:
         return NotImplemented  # training: the fallback runs the real kernel, whose logsumexp a backward needs
     mask_argument = _SDPA_MASK_ARGUMENT[func]
-    out = attention(
-        q, k, v, attn_mask=arg[mask_argument] if mask_argument else None, scale=arg["scale"], is_causal=arg["is_causal"]
-    )
+    if _shapes_only(q, k.codes, v.codes):  # kv4::attention's fake, without the mask it would first build
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    else:
+        out = attention(
+            q, k, v, attn_mask=arg[mask_argument] if mask_argument else None, scale=arg["scale"],
+            is_causal=arg["is_causal"],
+        )  # fmt: skip
     # The kernel's other outputs (logsumexp, RNG state, sequence bounds) are read only by its backward,
     # which an input without grad never runs: shaped as the kernel's meta function says, NaN or zero.
     meta_args, meta_kwargs = torch.utils._pytree.tree_map_only(

@@ -199,6 +199,23 @@ def test_each_fused_sdpa_kernel_reads_the_stored_cache(kernel, mask_argument):
     assert [getattr(t, "shape", t) for t in rest] == [getattr(t, "shape", t) for t in meta[1:]]
 
 
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+def test_sdpa_over_fake_caches_gives_the_output_it_has_for_real(mask_kind):
+    # Dynamo's trace of SDPA over kv4 caches computes its output's shape alone (packed._shapes_only).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    k, v = (PackedKV.from_float(torch.randn(3, 2, 150, 64), KVConfig().k) for _ in range(2))
+    q, mask = _attention_inputs(mask_kind, T=150 if mask_kind == "causal" else 5)
+    mode = FakeTensorMode()
+    fakes = [None if t is None else mode.from_tensor(t) for t in (q, k, v, mask)]
+    with mode:
+        fake = torch.nn.functional.scaled_dot_product_attention(*fakes[:3], attn_mask=fakes[3], is_causal=mask is None,
+                                                                enable_gqa=True)  # fmt: skip
+    real = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                            enable_gqa=True)  # fmt: skip
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_sdpa_over_packed_inputs_compiles(backend):
     """A graph taking PackedKV inputs that no kv4 pass rewrote: Dynamo and AOTAutograd trace
