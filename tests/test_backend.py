@@ -229,7 +229,7 @@ def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_sa
     assert write.sites == [] and write.before == write.after
     assert caplog.text.count("stays fp16: no attention in this graph reads it") == 2
     (site,) = attention.sites
-    assert site.left_fp16 and "across a graph break, stays fp16" in site.reason and site.reason in caplog.text
+    assert site.left_fp16 and "across a graph break say, stays fp16" in site.reason and site.reason in caplog.text
 
 
 def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
