@@ -515,7 +515,7 @@ def _shapes_only(*tensors: torch.Tensor) -> bool:
 def _fake_dispatch_uncached(*tensors: torch.Tensor):
     """Where :func:`_shapes_only`: the fake tensors' dispatch cache off. For an append's many small ops
     it costs more than the ops: making an entry, and rebuilding an output from one, checks the
-    output's sizes symbolically (half of a SmolLM2 first generate's fake cats, docs/design.md)."""
+    output's sizes symbolically (over half of a SmolLM2 first generate's fake cats, docs/design.md)."""
     return disable_fake_tensor_cache(tensors[0].fake_mode) if _shapes_only(*tensors) else contextlib.nullcontext()
 
 
