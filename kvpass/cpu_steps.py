@@ -515,8 +515,11 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
 
 def _alias(t: torch.Tensor | None) -> torch.Tensor | None:
     # A new tensor object over t's memory, not a view of it: marks set on it, or dropped from it, leave
-    # t's own, and a graph traced with it takes the cache's tensors themselves (storage_view).
-    return None if t is None else storage_view(t, t.shape, t.stride(), t.storage_offset())
+    # t's own, and a graph traced with it takes the cache's tensors themselves (storage_view). Its
+    # requires_grad is t's, which a graph guards on (a float mask made from parameters, say).
+    if t is None:
+        return None
+    return storage_view(t, t.shape, t.stride(), t.storage_offset()).requires_grad_(t.requires_grad)
 
 
 def storage_view(base: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:

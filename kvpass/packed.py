@@ -165,7 +165,7 @@ class PackedKV(torch.Tensor):
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
-        return _empty_like(x, spec).append(x, query, pads, fills_pads)
+        return _empty_like(_without_history(x), spec).append(x, query, pads, fills_pads)
 
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
@@ -213,6 +213,7 @@ class PackedKV(torch.Tensor):
                 f"queries {tuple(query.shape)} do not read the new tokens {tuple(new.shape)}: need the same batch "
                 "and tokens, and query heads a multiple of the KV heads"
             )
+        new, query = _without_history(new), _without_history(query)
         # The first append (a waiting cache's first held one) fixes which slots hold copies, for good.
         first = self._is_empty and not self.residual.shape[2]
         fills = first and fills_pads and pads is not None
@@ -492,6 +493,14 @@ def _leaving(n_pending: int, spec: QuantSpec):
     if spec.scheme == "channel":
         return n_pending // spec.group * spec.group
     return torch.sym_max(n_pending - spec.window, 0) // WINDOW_BLOCK * WINDOW_BLOCK
+
+
+def _without_history(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` without its autograd record. A cache is inference state: quantizing has no gradient, and
+    tokens stored with their record would keep a forward's activations alive for the cache's life
+    (a model called without ``torch.no_grad()``), and hand a compiled decode step inputs that need
+    grad where it traced none."""
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _cat(a, b):
@@ -1088,6 +1097,8 @@ def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Te
         ops.decode_step, q, k_codes, k_scales, k_residual, v_codes, v_scales, v_residual, k_new, v_new, attn_mask,
         scale, *ops.refined_codec_args(k.spec), *ops.refined_codec_args(v.spec), *rest, k.query_scales, sink,
     )  # fmt: skip
+    # The output keeps the queries' autograd record (a backward through it raises); what is stored does not.
+    stored = [_without_history(t) for t in stored]
     # The op scaled the new key by K's query scales, as an append stores it.
     k_grown = k._extended_by(stored[:4], k.head, k.offset, k.query_scales, k.filled_pads)
     v_grown = v._extended_by(stored[4:], v.head, v.offset, v.query_scales, v.filled_pads)

@@ -363,8 +363,11 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
     )  # fmt: skip
 
 
-@torch.no_grad()
-def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch):
+# Grad mode: a user's own decode loop, run without torch.no_grad(). Its caches once stored the tokens'
+# autograd record, and the compiled step's graphs, traced without it, rejected them and turned the
+# compiled path off for the process.
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad-mode"])
+def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch, grad):
     model = kv_heavy_llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
     ran = compiled_steps
@@ -374,11 +377,15 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
         torch._dynamo.reset()
         step, cache, token, logits[enabled] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
         for _ in range(4):
-            out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
-            logits[enabled].append(out)
+            with torch.set_grad_enabled(grad):
+                out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
+            assert out.requires_grad == grad
+            logits[enabled].append(out.detach())
             token = out.argmax(-1, keepdim=True)
         caches[enabled] = cache
     assert cpu_steps.enabled
+    stored = [t for layer in caches[True].layers for cache in (layer.keys, layer.values) for t in cache._inner()]
+    assert not any(t.requires_grad for t in stored), "a cache keeps no autograd record"
     # 3 decode steps of 2 layers, each layer's attention and appends one graph. A key's first call (the
     # first step's first layer's) runs the three apart, each its key's first call, so eagerly.
     assert ran.count(cpu_steps._decode_step) == len(ran) == 2 * 3 - 1
@@ -645,6 +652,33 @@ def test_a_decode_steps_attention_and_appends_are_one_graph_and_store_the_refere
     monkeypatch.setattr(cpu_steps, "enabled", False)
     expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
+
+
+def test_a_decode_step_on_inputs_that_need_grad_is_compiled_and_stores_no_autograd_record(compiled_steps,
+                                                                                           monkeypatch):  # fmt: skip
+    """In grad mode the queries and new tokens need grad, and so may a float mask made from parameters
+    (a learned bias). The compiled step takes them (its graph guards on requires_grad, which the aliases
+    it is traced with carry over), its output keeps the record, so a backward raises instead of skipping
+    the attention, and what the caches store keeps none."""
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, torch.float32, seed=7)
+    bias = torch.zeros((), requires_grad=True)
+    attn_mask = bias + torch.zeros(3, 1, 1, k.shape[2] + 1)
+    q, k_new, v_new = (t.clone().requires_grad_() for t in (q, k_new, v_new))
+
+    def step():
+        return packed.attend_and_append(q, k, v, k_new, v_new, attn_mask, None, False, 0.0, query=q)
+
+    step()  # a key's first call runs the three apart
+    before = len(compiled_steps)
+    out, k_grown, v_grown = step()
+    assert compiled_steps[before:] == [cpu_steps._decode_step] and cpu_steps.enabled
+    assert not any(t.requires_grad for t in (*k_grown._inner(), *v_grown._inner()))
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out.sum().backward()
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    q, k_new, v_new, attn_mask = (t.detach() for t in (q, k_new, v_new, attn_mask))
+    torch.testing.assert_close(out.detach(), packed.attention(q, k, v, k_new, v_new, attn_mask), **TOLERANCE[torch.float32])
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
 
 
