@@ -422,17 +422,19 @@ def test_copy_between_packed_caches_copies_the_stored_form(spec):
 def test_tokens_that_need_grad_are_stored_without_their_autograd_record(spec):
     """A model called without ``torch.no_grad()`` appends tokens and queries that need grad. Quantizing
     has no gradient, and a stored record would keep the forward's activations alive as long as the
-    cache: the cache stores the bits it stores for the tokens alone, and no record. The default K
-    waits through the first two appends (40 and 30 tokens) and quantizes at the second."""
+    cache: the cache stores the bits it stores for the tokens alone, and no record. The default K holds
+    the first 40 tokens unquantized and quantizes all 70 at the second append."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.ones((), requires_grad=True)
     tokens = [(torch.randn(2, 2, n, 64, generator=gen), torch.randn(2, 4, n, 64, generator=gen)) for n in (40, 30, 1)]
-    with_grad = PackedKV.from_float(weight * tokens[0][0], spec, weight * tokens[0][1])
-    alone = PackedKV.from_float(tokens[0][0], spec, tokens[0][1])
+    with_grad = [PackedKV.from_float(weight * tokens[0][0], spec, weight * tokens[0][1])]
+    alone = [PackedKV.from_float(tokens[0][0], spec, tokens[0][1])]
     for new, query in tokens[1:]:
-        with_grad, alone = with_grad.append(weight * new, weight * query), alone.append(new, query)
-        assert not any(t.requires_grad for t in with_grad._inner())
-        assert same_stored_bits(with_grad, alone)
+        with_grad.append(with_grad[-1].append(weight * new, weight * query))
+        alone.append(alone[-1].append(new, query))
+    for cache, expected in zip(with_grad, alone):
+        assert not any(t.requires_grad for t in cache._inner())
+        assert same_stored_bits(cache, expected)
 
 
 # --- a static sliding-window layer's update: roll, write the last slot, copy back ----------
