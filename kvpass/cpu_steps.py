@@ -93,6 +93,11 @@ def _compile(fn, args):
     def call(*args):
         return graph(*args) if guards.check(dict(zip(names, args))) else None
 
+    def rejection(*args) -> str:
+        """Which of the guards reject ``args``, in Dynamo's words."""
+        return "; ".join(guards.check_verbose(dict(zip(names, args))).verbose_code_parts)
+
+    call.rejection = rejection
     return call
 
 
@@ -141,8 +146,13 @@ def _run(fn, args, key, eager, traced=None):
     return eager() if result is None else result
 
 
+class _GuardsRejected(RuntimeError):
+    """A graph's guards rejected the inputs it was just compiled for: the key and the trace left out
+    something the guards check (the inputs' ``requires_grad`` did, before the sixty-first run)."""
+
+
 class _KeyFailed(Exception):
-    """Compiling ``fn``'s graph for ``key`` raised the exception this one is raised from."""
+    """Compiling ``fn``'s graph for ``key``, or its first call, failed with the exception this one is raised from."""
 
     def __init__(self, fn, key):
         super().__init__(fn.__name__)
@@ -163,9 +173,9 @@ def _toolchain_failed(err: BaseException) -> bool:
 def _contain(err: Exception) -> None:
     """Keeps a failed compile to what it says: a toolchain that cannot build (:func:`_toolchain_failed`)
     turns the compiled path off; a graph Inductor cannot compile (a guard on a data-dependent length, an
-    op it cannot lower, C++ it cannot build) sends only its key's calls to the eager reference. One such
-    structure had turned a whole model's compiled decode steps off (docs/bench-decode.md, "Attention
-    sinks")."""
+    op it cannot lower, C++ it cannot build), or whose guards reject the inputs it was compiled for, sends
+    only its key's calls to the eager reference. One such structure had turned a whole model's compiled
+    decode steps off (docs/bench-decode.md, "Attention sinks")."""
     global enabled
     causes = [err.__cause__ if isinstance(err, _KeyFailed) else err]
     while len(causes) < 8 and (inner := causes[-1].__cause__ or getattr(causes[-1], "inner_exception", None)):
@@ -175,8 +185,10 @@ def _contain(err: Exception) -> None:
     why = f"{type(root).__name__}: {(str(root).splitlines() or [''])[0]}"
     if isinstance(err, _KeyFailed) and not any(map(_toolchain_failed, causes)):
         _refused.add((err.fn, err.key))
-        log.warning("kvpass: %s runs eagerly on CPU for one structure of its inputs: Inductor failed on its graph "
-                    "(%s)", err.fn.__name__, why)  # fmt: skip
+        failure = ("its graph rejects the inputs it was compiled for" if isinstance(err.__cause__, _GuardsRejected)
+                   else "Inductor failed on its graph")  # fmt: skip
+        log.warning("kvpass: %s runs eagerly on CPU for one structure of its inputs: %s (%s)", err.fn.__name__,
+                    failure, why)  # fmt: skip
         log.debug("kvpass: the structure of %s refused: %r", err.fn.__name__, err.key, exc_info=root)
         return
     enabled = False
@@ -226,10 +238,10 @@ def _compiled_result(fn, args, key, traced):
             except Exception as err:
                 raise _KeyFailed(fn, key) from err
         _built_one = True
-        graphs.append(graph)
         result = graph(*args)
         if result is None:
-            raise RuntimeError(f"a graph of {fn.__name__} rejects the inputs it was compiled for")
+            raise _KeyFailed(fn, key) from _GuardsRejected(graph.rejection(*args))
+        graphs.append(graph)
     recent[:] = [graph, *recent[: RECENT_GRAPHS - 1]]
     return result
 

@@ -44,6 +44,7 @@ def compiled_steps(monkeypatch):
                 ran.append(fn)
             return out
 
+        call.rejection = compiled.rejection
         return call
 
     monkeypatch.setattr(cpu_steps, "_compile", recording)
@@ -230,6 +231,28 @@ def test_a_structure_inductor_fails_on_runs_eagerly_and_the_others_stay_compiled
     assert "the graph's IR" not in warned and "the graph's IR" in caplog.text  # the whole error at DEBUG
     for i, out in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(out, reference.encode_refined(steps[i % 2], DEFAULT.v)))
+
+
+def test_a_graph_whose_guards_reject_its_own_inputs_leaves_that_structure_eager_and_names_the_guard(
+    compiled_steps, monkeypatch, caplog
+):
+    # As the aliases a graph is traced with once dropped requires_grad: a float mask made from parameters
+    # met a graph traced without it. That had turned the compiled path off for the process, naming Inductor.
+    def alias_without_grad(t):
+        return None if t is None else cpu_steps.storage_view(t, t.shape, t.stride(), t.storage_offset())
+
+    monkeypatch.setattr(cpu_steps, "_alias", alias_without_grad)
+    k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, torch.float32, seed=7)
+    learned_mask = torch.zeros((), requires_grad=True) + torch.zeros(3, 1, 1, k.shape[2] + 1)
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        got = [_second(lambda: packed.attention(q, k, v, k_new, v_new, mask)) for mask in (learned_mask, None)]
+    assert cpu_steps.enabled and compiled_steps.count(cpu_steps._decode_attention) == 1  # the maskless structure's
+    assert caplog.text.count("_decode_attention runs eagerly on CPU for one structure of its inputs: its graph rejects "
+                             "the inputs it was compiled for (_GuardsRejected: tensor 'L['attn_mask']' requires_grad "
+                             "mismatch") == 1  # fmt: skip
+    monkeypatch.setattr(cpu_steps, "enabled", False)
+    assert torch.equal(got[0], packed.attention(q, k, v, k_new, v_new, learned_mask.detach()))  # the reference's
+    torch.testing.assert_close(got[1], packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
 
 
 def test_a_cpp_error_is_the_toolchains_until_a_graph_has_built(compiled_steps, monkeypatch, caplog):
