@@ -701,7 +701,8 @@ def test_a_decode_step_on_inputs_that_need_grad_is_compiled_and_stores_no_autogr
         out.sum().backward()
     monkeypatch.setattr(cpu_steps, "enabled", False)
     q, k_new, v_new, attn_mask = (t.detach() for t in (q, k_new, v_new, attn_mask))
-    torch.testing.assert_close(out.detach(), packed.attention(q, k, v, k_new, v_new, attn_mask), **TOLERANCE[torch.float32])
+    expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
+    torch.testing.assert_close(out.detach(), expected, **TOLERANCE[torch.float32])
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
 
 
