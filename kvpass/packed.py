@@ -28,6 +28,27 @@ _IMPLEMENTATIONS = {}
 fallback_ops: Counter = Counter()
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _autocast_off(fn):
+    """``fn`` run with autocast off. kv4's numerics are the reference's in the dtypes it states, whatever
+    autocast the model runs under: under it the rotation's and statistics' matmuls would run in 16 bits,
+    and CPU autocast's type promotion rejects fp16 (a ``cat`` of scales raised)."""
+
+    @functools.wraps(fn)
+    def without_autocast(*args, **kwargs):
+        devices = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+        if not devices:
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return fn(*args, **kwargs)
+
+    return without_autocast
+
+
 def _implements(*aten_ops):
     def register(fn):
         for op in aten_ops:
@@ -190,6 +211,7 @@ class PackedKV(torch.Tensor):
             empty.residual, spec,
         ))  # fmt: skip
 
+    @_autocast_off
     def append(self, new: torch.Tensor, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,
                fills_pads: bool = False) -> PackedKV:  # fmt: skip
         """This cache followed by ``new [B, H, T, D]``: only the new tokens are quantized. ``query
@@ -324,6 +346,7 @@ class PackedKV(torch.Tensor):
             fine = tuple(_newest_rows(old, new, n_fine) for old, new in zip(self._fine_planes(), new_planes))
         return self._extended(codes, scales, self.residual, fine, head, offset, query_scales, filled)
 
+    @_autocast_off
     def write_(self, positions: torch.Tensor, new: torch.Tensor) -> PackedKV:
         """Quantize ``new [B, H, T, D]`` into token slots ``positions`` in place (static caches)."""
         ops.write_(self.codes, self.scales, positions, new.to(self.dtype), *ops.codec_args(self.spec))
@@ -356,6 +379,7 @@ class PackedKV(torch.Tensor):
             rows = _WrittenRows(new_codes.shape[2], new_scales.shape[2])  # a fresh storage's rows start at 0
         return PackedKV(new_codes, new_scales, residual, self.spec, rows=rows, **parts)
 
+    @_autocast_off
     def dequantize(self) -> torch.Tensor:
         """The logical fp tensor. Materialises the whole cache: for tests and fallbacks."""
         stored = ops.dequantize(
@@ -1008,6 +1032,7 @@ def _elementwise_identity_impl(func, args, kwargs):
 # --- attention ----------------------------------------------------------------------------
 
 
+@_autocast_off
 def attention(
     q: torch.Tensor,
     k: PackedKV,
@@ -1074,6 +1099,7 @@ def _steps_as_one(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor
             and not (k._is_empty or v._is_empty) and not (query is not None and k.spec.rounds(query.shape[2])))  # fmt: skip
 
 
+@_autocast_off
 def attend_and_append(q: torch.Tensor, k: PackedKV, v: PackedKV, k_new: torch.Tensor, v_new: torch.Tensor,
                       attn_mask: torch.Tensor | None = None, scale: float | None = None, is_causal: bool = False,
                       softcap: float = 0.0, query: torch.Tensor | None = None, pads: torch.Tensor | None = None,

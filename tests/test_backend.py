@@ -232,6 +232,21 @@ def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_sa
     assert site.left_fp16 and "across a graph break say, stays fp16" in site.reason and site.reason in caplog.text
 
 
+@torch.no_grad()
+def test_a_model_under_autocast_generates_with_int4_caches():
+    """CPU autocast in bf16 around a kv4 model: the caches are int4 and no step reads them dequantized (a
+    first append under autocast raised; packed's test checks the numbers are autocast's none)."""
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    model.compile(backend="kv4")
+    ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape[1] == 74
+    assert all(isinstance(t, PackedKV) for t in cache_tensors(returned_cache(out)))
+    assert not packed.fallback_ops
+
+
 def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
     """Inkling2 attends over its layers' outputs, per token: K and V descend from nothing a cache could
     hold, so no cache write is missed there, and the site says so rather than "left fp16". K computed

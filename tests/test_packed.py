@@ -437,6 +437,28 @@ def test_tokens_that_need_grad_are_stored_without_their_autograd_record(spec):
         assert same_stored_bits(cache, expected)
 
 
+def test_autocast_leaves_what_a_cache_stores_and_reads_as_it_is_without_it():
+    """A model run under ``torch.autocast`` hands kv4 its tokens as they are; quantizing, reading and the
+    fused step then compute as without it (autocast would run the rotation's and the statistics' matmuls
+    in 16 bits, and CPU autocast's promotion rejected fp16 scales: a first append raised)."""
+    gen = torch.Generator().manual_seed(5)
+    spec_k, spec_v = KVConfig().k, KVConfig().v
+    q, x, y = (torch.randn(2, heads, 100, 64, generator=gen) for heads in (4, 2, 2))
+    q_step, k_step, v_step = (torch.randn(2, heads, 1, 64, generator=gen) for heads in (4, 2, 2))
+
+    def run():
+        k, v = PackedKV.from_float(x, spec_k, q), PackedKV.from_float(y, spec_v)
+        out, k_grown, v_grown = packed.attend_and_append(q_step, k, v, k_step, v_step, query=q_step)
+        return k_grown, v_grown, out, packed.attention(q_step, k, v, k_step, v_step), k_grown.dequantize()
+
+    expected = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run()
+    assert same_stored_bits(got[0], expected[0]) and same_stored_bits(got[1], expected[1])
+    for a, b in zip(got[2:], expected[2:]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 # --- a static sliding-window layer's update: roll, write the last slot, copy back ----------
 
 SLOT_SPECS = [QuantSpec(4, "token", 128), QuantSpec(4, "token", 32, rotate=True, symmetric=False)]
