@@ -235,7 +235,7 @@ def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_sa
 @torch.no_grad()
 def test_a_model_under_autocast_generates_with_int4_caches():
     """CPU autocast in bf16 around a kv4 model: the caches are int4 and no step reads them dequantized (a
-    first append under autocast raised; packed's test checks the numbers are autocast's none)."""
+    first append under autocast raised; tests/test_packed.py checks that autocast changes none of kv4's numbers)."""
     torch._dynamo.reset()
     model = kv_heavy_llama()
     model.compile(backend="kv4")
