@@ -38,12 +38,13 @@ def _autocast_off(fn):
 
     @functools.wraps(fn)
     def without_autocast(*args, **kwargs):
-        devices = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
-        if not devices:
+        # One flag read on a decode step's path, as torch's own RNN modules check it.
+        if not torch._C._is_any_autocast_enabled():
             return fn(*args, **kwargs)
         with contextlib.ExitStack() as stack:
-            for device in devices:
-                stack.enter_context(torch.autocast(device, enabled=False))
+            for device in _AUTOCAST_DEVICES:
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
             return fn(*args, **kwargs)
 
     return without_autocast
@@ -186,7 +187,8 @@ class PackedKV(torch.Tensor):
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
             raise ValueError(f"a KV cache tensor must be floating point, got {x.dtype}")
-        return _empty_like(_without_history(x), spec).append(x, query, pads, fills_pads)
+        x = _without_history(x)
+        return _empty_like(x, spec).append(x, query, pads, fills_pads)
 
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
