@@ -148,7 +148,8 @@ def _run(fn, args, key, eager, traced=None):
 
 class _GuardsRejected(RuntimeError):
     """A graph's guards rejected the inputs it was just compiled for: the key and the trace left out
-    something the guards check (the inputs' ``requires_grad`` did, before the sixty-first run)."""
+    something the guards check (the inputs' ``requires_grad`` did, before the sixty-first run, and
+    whether they were inference tensors, before the sixty-second)."""
 
 
 class _KeyFailed(Exception):
@@ -528,10 +529,15 @@ def _unbacked(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
 def _alias(t: torch.Tensor | None) -> torch.Tensor | None:
     # A new tensor object over t's memory, not a view of it: marks set on it, or dropped from it, leave
     # t's own, and a graph traced with it takes the cache's tensors themselves (storage_view). Its
-    # requires_grad is t's, which a graph guards on (a float mask made from parameters, say).
+    # requires_grad is t's, and whether it is an inference tensor, which a graph guards on (a float mask
+    # made from parameters; a cache made under torch.inference_mode() and stepped outside it, or the
+    # reverse), where a new tensor would take them from the mode it is made in.
     if t is None:
         return None
-    return storage_view(t, t.shape, t.stride(), t.storage_offset()).requires_grad_(t.requires_grad)
+    if t.is_inference() == torch.is_inference_mode_enabled():
+        return storage_view(t, t.shape, t.stride(), t.storage_offset()).requires_grad_(t.requires_grad)
+    with torch.inference_mode(t.is_inference()):
+        return _alias(t)
 
 
 def storage_view(base: torch.Tensor, shape, stride, offset: int) -> torch.Tensor:

@@ -386,11 +386,19 @@ def test_opcheck_with_the_compiled_path(compiled_steps):
     )  # fmt: skip
 
 
-# Grad mode: a user's own decode loop, run without torch.no_grad(). Its caches once stored the tokens'
-# autograd record, and the compiled step's graphs, traced without it, rejected them and turned the
-# compiled path off for the process.
-@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad-mode"])
-def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch, grad):
+# The modes a user's own loop runs the prompt and the steps in. Grad mode, without torch.no_grad(): its
+# caches once stored the tokens' autograd record, and the compiled step's graphs, traced without it,
+# rejected them and turned the compiled path off for the process. A prompt under torch.inference_mode()
+# (a prefix cache) makes inference tensors, which graphs traced outside it had rejected.
+MODES = {
+    "no-grad": (torch.no_grad, torch.no_grad),
+    "grad-mode": (torch.enable_grad, torch.enable_grad),
+    "prompt-in-inference-mode": (torch.inference_mode, torch.no_grad),
+}
+
+
+@pytest.mark.parametrize("modes", MODES.values(), ids=MODES)
+def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch, modes):
     model = kv_heavy_llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
     ran = compiled_steps
@@ -399,10 +407,10 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
         monkeypatch.setattr(cpu_steps, "enabled", enabled)
         torch._dynamo.reset()
         step, cache, token, logits[enabled] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
-        for _ in range(4):
-            with torch.set_grad_enabled(grad):
+        for i in range(4):
+            with modes[min(i, 1)]():
                 out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
-            assert out.requires_grad == grad
+            assert out.requires_grad == (modes[1] is torch.enable_grad)
             logits[enabled].append(out.detach())
             token = out.argmax(-1, keepdim=True)
         caches[enabled] = cache
@@ -704,6 +712,31 @@ def test_a_decode_step_on_inputs_that_need_grad_is_compiled_and_stores_no_autogr
     expected = packed.attention(q, k, v, k_new, v_new, attn_mask)
     torch.testing.assert_close(out.detach(), expected, **TOLERANCE[torch.float32])
     assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
+
+
+@pytest.mark.parametrize("made_in_inference_mode", [True, False], ids=["made-in-inference-mode", "stepped-in-it"])
+def test_a_cache_made_in_one_inference_mode_and_stepped_in_the_other_is_compiled(compiled_steps, monkeypatch, caplog,
+                                                                                 made_in_inference_mode):  # fmt: skip
+    """A prefix cache built under torch.inference_mode() and passed to generate (no_grad), or the
+    reverse: a graph guards on whether each input is an inference tensor, and one traced on aliases
+    that took the mode instead had rejected the cache's own parts, leaving that structure eager for the
+    process."""
+    with torch.inference_mode(made_in_inference_mode):
+        k, v, k_new, v_new, q = _caches((DEFAULT.k, DEFAULT.v), 3, 2, 150, torch.float32, seed=7)
+    with torch.inference_mode(not made_in_inference_mode):
+        q, k_new, v_new = (t.clone() for t in (q, k_new, v_new))
+
+        def step():
+            return packed.attend_and_append(q, k, v, k_new, v_new, None, None, False, 0.0, query=q)
+
+        step()  # a key's first call runs the three apart
+        before = len(compiled_steps)
+        with caplog.at_level(logging.WARNING, logger="kvpass"):
+            out, k_grown, v_grown = step()
+        assert compiled_steps[before:] == [cpu_steps._decode_step] and not caplog.text
+        monkeypatch.setattr(cpu_steps, "enabled", False)
+        torch.testing.assert_close(out, packed.attention(q, k, v, k_new, v_new), **TOLERANCE[torch.float32])
+        assert same_stored_bits(k_grown, k.append(k_new, query=q)) and same_stored_bits(v_grown, v.append(v_new))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
