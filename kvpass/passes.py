@@ -8,6 +8,8 @@ A site is an attention computation whose K and V lead back, through the view cha
 * ``bmm``: the same over heads folded into the batch, ``probs [B * H, T, S]`` ->
   ``bmm(., v.reshape(B * H, S, D))`` (XGLM, TrOCR, MVP, BLOOM); the fused op's
   ``[B, H, T, D]`` output is flattened back;
+* ``flex``: ``flex_attention`` (transformers' ``attn_implementation="flex_attention"``), found and
+  never matched: its traced ``score_mod`` and block mask have no kv4 form, so its cache stays fp16;
 * attention sinks (GPT-OSS, MiMo): ``cat([scores, sink], -1) [- its row max] -> softmax ->
   probs[..., :-1]`` with ``sink [B, H, T, 1]`` and a mask present; the sink becomes one more
   new token whose key and value are zero and whose mask column is the sink logit (``kv4_decode``
@@ -61,8 +63,8 @@ positions, new)``), and its sites are reported with phase ``latent``. A decode s
 are transformers' MLA expansion of two such latents (``_Expansion``) attends over the int4 latent
 itself, the projection absorbed into its query and output (``_absorb``); any other keeps its
 attention over the expanded K and V, which dequantizes the latent each step.
-A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA) that did not
-match is not a latent cache: that site stays fp16 with its reason.
+A write whose view closure reaches an attention op (matmul, bmm, einsum, SDPA, flex_attention) that
+did not match is not a latent cache: that site stays fp16 with its reason.
 
 A decode site whose appends only its attention and the cache object read becomes one
 ``kv4_decode`` (both appends and ``kv4_sdpa``: all three read only the past, and on CPU each call
@@ -93,6 +95,8 @@ log = logging.getLogger("kvpass")
 
 SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 SDPA_ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# transformers' attn_implementation="flex_attention" reaches the graph as this higher-order op.
+FLEX_TARGETS = (torch.ops.higher_order.flex_attention,)
 
 # Every replacement, by kind; tests and the CLI read it like Inductor's counters.
 counters: Counter = Counter()
@@ -110,7 +114,7 @@ NO_CACHE = "no cache"
 class SiteReport:
     index: int
     module: str
-    form: str  # "sdpa" or "eager" (matmul -> softmax -> matmul)
+    form: str  # a key of ATTENTION_FORMS: "sdpa", "eager" (matmul -> softmax -> matmul), "bmm" or "flex"
     # "prefill" (empty past), "decode", "static" (preallocated buffer), "latent" (MLA) or NO_CACHE
     phase: str
     rewritten: bool
@@ -1003,11 +1007,24 @@ def _leads_to_qk(node) -> bool:
     return False
 
 
+def _flex_candidates(graph: fx.Graph):
+    return [n for n in graph.nodes if _is_call(n, FLEX_TARGETS)]
+
+
+def _match_flex(flex: fx.Node) -> _Attention:
+    # Its scores come from a traced score_mod and a block mask (sliding windows, documents, softcaps as
+    # code), which kv4's ops have no argument for. Found so that it is reported, and so that its cache is
+    # not taken for a latent: a packed cache reaching this op in the next graph fails Dynamo's trace.
+    raise NoMatch("flex_attention (attn_implementation='flex_attention'): its score_mod and block mask have no "
+                  "kv4 form; attn_implementation='sdpa' or 'eager' gives int4 caches")  # fmt: skip
+
+
 # form -> (candidates in a graph, matcher); a candidate that does not match is reported.
 ATTENTION_FORMS = {
     "sdpa": (_sdpa_candidates, _match_sdpa),
     "eager": (_softmax_candidates, _match_eager),
     "bmm": (_bmm_softmax_candidates, _match_eager),
+    "flex": (_flex_candidates, _match_flex),
 }
 
 
@@ -1453,7 +1470,7 @@ class _SharedWrites:
 
 
 # Ops that compute attention scores or outputs from a cache tensor read directly.
-ATTENTION_OPS = (*SDPA_TARGETS, *MATMUL_TARGETS, *BMM_TARGETS, torch.baddbmm, torch.einsum)
+ATTENTION_OPS = (*SDPA_TARGETS, *MATMUL_TARGETS, *BMM_TARGETS, torch.baddbmm, torch.einsum, *FLEX_TARGETS)
 VIEW_METHODS = {"view", "reshape", "expand", "transpose", "permute", "contiguous", "unsqueeze", "squeeze",
                 "flatten", "unflatten", "to", "float", "type_as", "repeat", "repeat_interleave", "split", "chunk"}  # fmt: skip
 
@@ -1853,8 +1870,8 @@ def _sliding_kept(write: _CacheWrite) -> int | None:
 
 
 def _attention_output(candidate: fx.Node, form: str) -> fx.Node:
-    """A candidate's result: the SDPA call, or an eager form's ``probs @ V``."""
-    if form == "sdpa":
+    """A candidate's result: the SDPA or flex_attention call, or an eager form's ``probs @ V``."""
+    if form in ("sdpa", "flex"):
         return candidate
     return _probs_consumer(candidate, MATMUL_TARGETS if form == "eager" else BMM_TARGETS)[0]
 

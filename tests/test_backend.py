@@ -208,6 +208,27 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     assert passes.counters["site_left_fp16"] == left_before + 2
 
 
+@torch.no_grad()
+def test_a_flex_attention_model_keeps_fp16_caches_and_says_why():
+    """attn_implementation="flex_attention": no attention form read the prompt's cache writes, so they were
+    packed as an MLA latent, and the next step's trace failed at flex_attention over a PackedKV."""
+    from kvpass.models_zoo import build
+
+    torch._dynamo.reset()
+    model = build("llama", attn_implementation="flex_attention")
+    expected = model.generate(_ids(70), max_new_tokens=4, do_sample=False)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    out = model.generate(_ids(70), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert all(type(t) is torch.Tensor for t in cache_tensors(returned_cache(out)))
+    with_sites = [graph for graph in backend.graphs if graph.sites]  # the prompt's graph, then decode steps'
+    assert len(with_sites) >= 2 and all(len(graph.sites) == model.config.num_hidden_layers for graph in with_sites)
+    sites = [site for graph in with_sites for site in graph.sites]
+    assert all(site.form == "flex" and site.left_fp16 for site in sites)
+    assert sites[0].reason.startswith("flex_attention (attn_implementation='flex_attention'): its score_mod and block")
+
+
 def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_says_so(caplog):
     """transformers' warning under output_attentions=True breaks every attention's graph after the cache
     update: the write's graph has no attention to rewrite, the attention's graph no write. Each says so,
