@@ -7,18 +7,24 @@ default limit of 8 graphs a function was once reached this way (``docs/design.md
 steps' kv4 ops run the eager reference (``cpu_steps`` off): their own compiled graphs are not the
 model's.
 
-    python benchmarks/varied_generates.py [--method kv4|fp]
+    python benchmarks/varied_generates.py [--method kv4|fp] [--threads]
+
+``--threads`` makes each call in a thread of its own, as a server's requests or transformers' streaming
+recipe do: Dynamo's settings are per thread, and a limit raised in one thread once reached no other.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 
 import torch
 
 import kvpass
 from kvpass import cpu_steps
+from kvpass.cache_argument import returned_cache
 from kvpass.models_zoo import build
+from kvpass.packed import PackedKV
 
 NEW_TOKENS = 40
 
@@ -54,17 +60,33 @@ def counting_eager(graphs: list):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=("kv4", "fp"), default="kv4")
+    parser.add_argument("--threads", action="store_true", help="each call in a thread of its own")
     args = parser.parse_args()
     cpu_steps.enabled = False
-    torch._dynamo.config.recompile_limit = kvpass.backend.RECOMPILE_LIMIT  # the fp run counts all of them too
     model = build("llama_hd128")
     graphs = []
     backend = kvpass.kv4() if args.method == "kv4" else counting_eager(graphs)
     model.compile(backend=backend)
+    int4 = []
+
+    def generate(kwargs):
+        if args.method == "fp":
+            # All of fp's graphs counted too: set in the calling thread, as Dynamo's settings are per thread.
+            torch._dynamo.config.recompile_limit = kvpass.backend.RECOMPILE_LIMIT
+        out = model.generate(**kwargs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)  # fmt: skip
+        int4.append(all(isinstance(layer.keys, PackedKV) for layer in returned_cache(out).layers))
+
     for kwargs in calls(model.config.vocab_size):
-        model.generate(**kwargs, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        if args.threads:
+            thread = threading.Thread(target=generate, args=(kwargs,))
+            thread.start()
+            thread.join()
+        else:
+            generate(kwargs)
     compiled = len(backend.graphs) if args.method == "kv4" else len(graphs)
-    print(f"{args.method}: 12 generate calls compiled {compiled} graphs")
+    where = ", each in a thread of its own," if args.threads else ""
+    print(f"{args.method}: 12 generate calls{where} compiled {compiled} graphs; {sum(int4)} returned int4 caches")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,14 @@ def _watch_recompile_limit() -> None:
 
 def _allow_recompiles() -> None:
     _watch_recompile_limit()
+    # Dynamo's settings are per thread (a ContextVar each, torch 2.13): setting one reaches this thread
+    # only. A server's request threads, or generate in a thread of its own as transformers' streaming
+    # recipe runs it, would start at the default and stop compiling the model past it, so the default
+    # is raised too, for threads this backend has not compiled in (a private entry; a torch without it
+    # keeps one setting for every thread, which the line below sets).
+    limit = getattr(torch._dynamo.config, "_config", {}).get("recompile_limit")
+    if limit is not None:
+        limit.default = max(limit.default, RECOMPILE_LIMIT)
     if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
         log.info("kvpass: raising torch._dynamo.config.recompile_limit from %d to %d (kv4 caches take more "
                  "shapes than fp caches)", torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)  # fmt: skip

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -166,6 +167,40 @@ def test_varied_generate_calls_keep_compiling_past_dynamos_default_limit(caplog)
     assert len(backend.graphs) > 4
     assert "no int4 implementation" not in caplog.text and "recompile_limit" not in caplog.text
     assert torch._dynamo.config.recompile_limit == kvpass.backend.RECOMPILE_LIMIT
+
+
+@pytest.fixture
+def dynamo_default_recompile_limit():
+    """Dynamo's default limit, for every thread that sets none, lowered from 8 to 2: four calls hold fewer
+    graphs of one frame than 8 (benchmarks/varied_generates.py's twelve, each in a thread, reached it)."""
+    limit = torch._dynamo.config._config["recompile_limit"]
+    saved, limit.default = limit.default, 2
+    yield
+    limit.default = saved
+
+
+def test_generate_calls_each_in_a_thread_of_their_own_keep_compiling(dynamo_default_recompile_limit, caplog):
+    # Dynamo's settings are per thread: the limit kv4 raised in the thread that compiled did not reach a
+    # request's thread (transformers' streaming recipe runs generate in one), which stopped compiling
+    # the model once it held the default's count of graphs.
+    torch._dynamo.reset()
+    model = kv_heavy_llama(head_dim=128)
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    returned = []
+
+    def generate(n):
+        with torch.no_grad():
+            out = model.generate(_ids(n), max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
+        returned.append(returned_cache(out))
+
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        for n in (5, 40, 100, 300):
+            thread = threading.Thread(target=generate, args=(n,))
+            thread.start()
+            thread.join()
+    assert len(returned) == 4 and all(isinstance(t, PackedKV) for cache in returned for t in cache_tensors(cache))
+    assert len(backend.graphs) > 4 and "recompile_limit" not in caplog.text
 
 
 @torch._dynamo.config.patch(recompile_limit=1)
