@@ -190,8 +190,7 @@ def test_generate_calls_each_in_a_thread_of_their_own_keep_compiling(dynamo_defa
     returned = []
 
     def generate(n):
-        with torch.no_grad():
-            out = model.generate(_ids(n), max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
+        out = model.generate(_ids(n), max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
         returned.append(returned_cache(out))
 
     with caplog.at_level(logging.WARNING, logger="kvpass"):

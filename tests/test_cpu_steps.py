@@ -401,6 +401,7 @@ MODES = {
 def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypatch, modes):
     model = kv_heavy_llama()
     ids = torch.randint(0, model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(0))
+    prompt_mode, step_mode = modes
     ran = compiled_steps
     logits, caches = {}, {}
     for enabled in (False, True):
@@ -408,9 +409,9 @@ def test_a_kv4_model_decodes_through_the_compiled_path(compiled_steps, monkeypat
         torch._dynamo.reset()
         step, cache, token, logits[enabled] = torch.compile(model, backend="kv4"), DynamicCache(), ids, []
         for i in range(4):
-            with modes[min(i, 1)]():
+            with (prompt_mode if i == 0 else step_mode)():
                 out = step(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1]
-            assert out.requires_grad == (modes[1] is torch.enable_grad)
+            assert out.requires_grad == (step_mode is torch.enable_grad)
             logits[enabled].append(out.detach())
             token = out.argmax(-1, keepdim=True)
         caches[enabled] = cache
