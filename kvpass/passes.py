@@ -335,6 +335,11 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     if overflow is not None:
         copy, stored = overflow
         return _CacheWrite(copy, copy.args[0], stored, chain, reads_new=True)
+    if _is_sequence_slice(root) and _is_sequence_cat(root.args[0]) and _is_stored(root.args[0]):
+        # DynamicSlidingWindowLayer with record_past (assisted decoding, prompt lookup) stores every token
+        # until a crop and returns the newest window of them.
+        raise NoMatch(f"{role} is the newest tokens of cache write {root.args[0].name}, not all of it (a sliding "
+                      "layer keeping its past for assisted decoding's crops): kv4 attends over whole caches")  # fmt: skip
     if not _is_sequence_cat(root):
         raise NoMatch(
             f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {_computed(root)}"
