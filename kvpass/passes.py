@@ -35,7 +35,10 @@ A site is an attention computation whose K and V lead back, through the view cha
   tensor (a cache filled elsewhere); or ``buffer.index_copy_(2, positions, new)`` into a
   static buffer: a PackedKV placeholder (``StaticKVCache``), or ``torch.zeros`` / a PackedKV
   allocated in this graph (a static layer's first update, compiled), attention reading the
-  buffer or its prefix ``[:, :, :n]`` before or after the view chain. K and V may be one write (DeepSeek-V4's shared
+  buffer or its prefix ``[:, :, :n]`` before or after the view chain; or a DynamicCache write read through
+  ``full[:, :, start:]`` whose sizes prove it holds every new token and a stored one (a sliding layer that
+  keeps its past for assisted decoding's crops: the past's window ``past[:, :, start + T:]`` is read, the
+  appends apart from the attention). K and V may be one write (DeepSeek-V4's shared
   KV) when their specs are equal. ``cat([write, extra], dim=2)`` that is not returned reads
   ``extra`` (DeepSeek-V4's compressed entries, kept elsewhere) as more exact new tokens;
 * view chain: nothing (SDPA with or without ``enable_gqa``), an fp32 cast, ``x[:, :, None]`` ->
@@ -186,6 +189,9 @@ class _CacheWrite:
     # Attention reads the new tokens themselves, not the buffer they are copied into (a sliding
     # layer whose first write overflows its window keeps only the newest tokens).
     reads_new: bool = False
+    # Attention reads `full[:, :, window_start:]` (< 0, every new token in it): the newest tokens of a
+    # sliding layer that keeps its past until generate crops it (assisted decoding, prompt lookup).
+    window_start: fx.Node | int | None = None
 
 
 def _val(node):
@@ -335,11 +341,12 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     if overflow is not None:
         copy, stored = overflow
         return _CacheWrite(copy, copy.args[0], stored, chain, reads_new=True)
+    window_start = None
     if _is_sequence_slice(root) and _is_sequence_cat(root.args[0]) and _is_stored(root.args[0]):
         # DynamicSlidingWindowLayer with record_past (assisted decoding, prompt lookup) stores every token
-        # until a crop and returns the newest window of them.
-        raise NoMatch(f"{role} is the newest tokens of cache write {root.args[0].name}, not all of it (a sliding "
-                      "layer keeping its past for assisted decoding's crops): kv4 attends over whole caches")  # fmt: skip
+        # until generate crops it, and attention reads the newest window of them.
+        window_start = _window_start(root)
+        root, chain = root.args[0], [*chain, root]
     if not _is_sequence_cat(root):
         raise NoMatch(
             f"{role} does not come from a cache write (two-tensor torch.cat along the sequence); it is {_computed(root)}"
@@ -352,6 +359,10 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     new_val = _val(new)
     if new_val is None or new_val.dim() != 4:
         raise NoMatch(f"{role} new tokens {getattr(new, 'name', new)} are not a 4-D [B, H, T, D] tensor")
+    if window_start is not None and not _holds_a_stored_token(window_start, new_val.shape[2]):
+        raise NoMatch(f"{role} is the window {root.name}[:, :, {getattr(window_start, 'name', window_start)}:] of its "
+                      "cache write, which need not hold every new token and a stored one: kv4 attends over stored "
+                      "tokens and all new ones")  # fmt: skip
     if not new_val.dtype.is_floating_point:
         raise NoMatch(f"{role} cache dtype {new_val.dtype} is not floating point")
     site_reader = chain[-1] if chain else reader
@@ -364,12 +375,29 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
     for node in others:
         if _writes_in_place(node):
             raise NoMatch(f"{role} cache {root.name} is written in place by {node.name}")
+    heads = _selected_heads(chain)
     if _is_empty_tensor_ctor(past):
-        return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra, heads=_selected_heads(chain))
+        return _CacheWrite(root, None, new, chain, evictions, site_reader, others, extra=extra, heads=heads,
+                           window_start=window_start)  # fmt: skip
     past_val = _val(past)
     if not isinstance(past_val, PackedKV) and (past_val is None or past_val.dim() != 4):
         raise NoMatch(f"{role} past {getattr(past, 'name', past)} is neither an empty cache nor a [B, H, S, D] tensor")
-    return _CacheWrite(root, past, new, chain, evictions, site_reader, others, extra=extra, heads=_selected_heads(chain))
+    return _CacheWrite(root, past, new, chain, evictions, site_reader, others, extra=extra, heads=heads,
+                       window_start=window_start)  # fmt: skip
+
+
+def _window_start(window: fx.Node) -> fx.Node | int | None:
+    """``start`` of the sequence slice ``window`` = ``x[:, :, start:]``, or None where it keeps all of ``x``."""
+    index = window.args[1][2]
+    if index.stop is not None:
+        raise NoMatch(f"{window.name} reads the stored tokens {index.start}:{index.stop}, not the newest of them")
+    return index.start
+
+
+def _holds_a_stored_token(window_start: fx.Node | int, new_tokens) -> bool:
+    """Whether ``full[:, :, window_start:]`` provably holds all ``new_tokens`` and more."""
+    start = _val(window_start) if isinstance(window_start, fx.Node) else window_start
+    return start is not None and statically_known_true(-start > new_tokens)
 
 
 def _is_sequence_cat(node) -> bool:
@@ -1290,6 +1318,8 @@ def _appends_with_attention(attn: _Attention, k: _CacheWrite, v: _CacheWrite, sh
         return "K and V are one tensor"
     if k.extra is not None or v.extra is not None or v.heads is not None:
         return "attention reads other new tokens than the appends store"
+    if k.window_start is not None or v.window_start is not None:
+        return "attention reads the newest window of the cache, the appends all of it"
     site = {*attn.nodes, *k.chain, *v.chain}
     # The call replaces the whole attention, views of the cache included: none may outlive it.
     for node in site - {attn.output}:
@@ -1452,7 +1482,7 @@ def _rewrite_site(
             for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
                 (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
         else:
-            _fused_attention(graph, attn, k, v, k.past, v.past, (k_spec, v_spec))
+            _fused_attention(graph, attn, k, v, _read_past(graph, k, attn), _read_past(graph, v, attn), (k_spec, v_spec))
     for write in (k, v):
         shared.pending[write.node] -= 1
         if shared.pending[write.node]:
@@ -1462,6 +1492,17 @@ def _rewrite_site(
         if write.past is None:
             _erase_if_dead(graph, [past_ctor])
     return "prefill" if prefill else "decode"
+
+
+def _read_past(graph: fx.Graph, write: _CacheWrite, attn: _Attention) -> fx.Node:
+    """The stored tokens a decode site attends to besides the new ones: the whole past, or for a window
+    ``full[:, :, start:]`` that holds every new token and more, ``past[:, :, start + new tokens:]``."""
+    if write.window_start is None:
+        return write.past
+    with graph.inserting_before(attn.output):
+        tokens = graph.call_method("size", (write.new, 2))
+        first = graph.call_function(operator.add, (write.window_start, tokens))
+        return graph.call_function(operator.getitem, (write.past, (slice(None), slice(None), slice(first, None))))
 
 
 @dataclasses.dataclass

@@ -242,25 +242,25 @@ def test_unsupported_site_is_left_unchanged_with_a_reason(caplog):
     assert passes.counters["site_left_fp16"] == left_before + 2
 
 
-def test_an_attention_over_the_newest_tokens_of_a_cache_write_stays_fp16_and_says_why():
-    """A sliding layer recording its past (assisted decoding, prompt lookup) stores every token and attends
-    over the newest window of them: kv4's ops read whole caches, so the site says that, not that its K
-    comes from no cache write."""
+def test_an_attention_over_a_window_of_a_cache_write_without_a_stored_token_stays_fp16_and_says_why():
+    """A sliding layer that keeps its past until generate crops it attends over the newest window, which kv4
+    reads from the packed cache where the window holds every new token and more (tests/test_serving.py);
+    a window of the new tokens alone, or of some of them, is not that."""
     torch._dynamo.reset()
     backend = kvpass.kv4()
 
-    def newest_window(q, k_past, k_new, v_past, v_new):
+    def new_token_window(q, k_past, k_new, v_past, v_new):
         k, v = torch.cat([k_past, k_new], dim=-2), torch.cat([v_past, v_new], dim=-2)
-        return torch.nn.functional.scaled_dot_product_attention(q, k[:, :, -5:], v[:, :, -5:]), k, v
+        return torch.nn.functional.scaled_dot_product_attention(q, k[:, :, -1:], v[:, :, -1:]), k, v
 
     q, past, new = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 1, 16)
-    out, k, _ = torch.compile(newest_window, backend=backend)(q, past, new, past, new)
-    torch.testing.assert_close(out, newest_window(q, past, new, past, new)[0], rtol=0, atol=0)
+    out, k, _ = torch.compile(new_token_window, backend=backend)(q, past, new, past, new)
+    torch.testing.assert_close(out, new_token_window(q, past, new, past, new)[0], rtol=0, atol=0)
     assert type(k) is torch.Tensor
     ((site,),) = [graph.sites for graph in backend.graphs]
     assert site.left_fp16 and site.reason == (
-        "K is the newest tokens of cache write k, not all of it (a sliding layer keeping its past for assisted "
-        "decoding's crops): kv4 attends over whole caches"
+        "K is the window k[:, :, -1:] of its cache write, which need not hold every new token and a stored one: kv4 "
+        "attends over stored tokens and all new ones"
     )
 
 

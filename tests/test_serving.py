@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import kvpass
+from kvpass import passes
 from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import QuantSpec
 from kvpass.models_zoo import build
@@ -174,6 +175,28 @@ def test_assisted_decoding_crops_the_packed_cache():
     # Crops change the cache length by the accepted-token count every step; one dynamic
     # graph must serve them all (a graph per length would hit Dynamo's recompile limit).
     assert counters["stats"]["unique_graphs"] <= 4
+
+
+def test_prompt_lookup_on_sliding_layers_reads_their_window_of_the_packed_cache():
+    """Prompt lookup and assisted decoding make a sliding layer keep its past until generate crops it, and
+    attend over the newest window of it: after each crop the whole cache and the new tokens. kv4 reads
+    that window of the packed cache (the three calls apart: the appends store all of it); those layers
+    had stayed fp16."""
+    torch._dynamo.reset()
+    model = build("mistral")  # every layer sliding, a window of 32
+    ids = torch.randint(2, 60, (1, 70), generator=torch.Generator().manual_seed(0))  # repeats, for lookups to hit
+    with observed_queries():
+        expected = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=3,
+                                  **cache_arg(_simulated(model)))  # fmt: skip
+    backend = kvpass.kv4()
+    model.compile(backend=backend)
+    apart_before = passes.counters["decode_appends_apart"]
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    assert all(isinstance(layer.keys, PackedKV) and isinstance(layer.values, PackedKV)
+               for layer in returned_cache(out).layers)  # fmt: skip
+    assert not [site.reason for graph in backend.graphs for site in graph.sites if site.left_fp16]
+    assert passes.counters["decode_appends_apart"] > apart_before
 
 
 def test_new_prompt_on_the_same_compiled_model_starts_clean(compiled_llama):
