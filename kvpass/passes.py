@@ -386,8 +386,9 @@ def _cache_write(arg: fx.Node, reader: fx.Node, role: str) -> _CacheWrite:
                        window_start=window_start)  # fmt: skip
 
 
-def _window_start(window: fx.Node) -> fx.Node | int | None:
-    """``start`` of the sequence slice ``window`` = ``x[:, :, start:]``, or None where it keeps all of ``x``."""
+def _window_start(window: fx.Node) -> fx.Node | int:
+    """``start`` of the sequence slice ``window`` = ``x[:, :, start:]`` (a start of None or 0 is a prefix,
+    which :func:`_cache_write` takes first)."""
     index = window.args[1][2]
     if index.stop is not None:
         raise NoMatch(f"{window.name} reads the stored tokens {index.start}:{index.stop}, not the newest of them")
