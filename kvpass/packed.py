@@ -1202,7 +1202,11 @@ def _fallback(func, args, kwargs):
             )  # fmt: skip
 
     def plain(x):
-        return x.dequantize() if isinstance(x, PackedKV) else x
+        if not isinstance(x, PackedKV):
+            return x
+        # Dynamo working out shapes (transformers' repeat_kv over a cache in a prefill): dequantizing
+        # fake parts would trace the whole codec for values nothing reads. As dequantize lays it out.
+        return x.codes.new_empty(x.shape, dtype=x.dtype) if _shapes_only(x.codes) else x.dequantize()
 
     plain_args, plain_kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs))
     result = func(*plain_args, **plain_kwargs)

@@ -216,6 +216,23 @@ def test_sdpa_over_fake_caches_gives_the_output_it_has_for_real(mask_kind):
     assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
 
 
+def test_an_op_without_an_int4_form_traced_over_fake_caches_dequantizes_nothing(monkeypatch):
+    # transformers' repeat_kv over a cache (sdpa with a mask, as in a chat turn's prefill) reaches the
+    # fallback in Dynamo's trace, which needs its output's shape alone.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    k = PackedKV.from_float(torch.randn(2, 3, 150, 64), KVConfig().k)
+    real = repeat_kv(k, 2)
+    torch.testing.assert_close(real, repeat_kv(k.dequantize(), 2), atol=0, rtol=0)
+    mode = FakeTensorMode()
+    fake_k = mode.from_tensor(k)
+    monkeypatch.setattr(PackedKV, "dequantize", lambda self: pytest.fail("a fake cache was dequantized"))
+    with mode:
+        fake = repeat_kv(fake_k, 2)
+    assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_sdpa_over_packed_inputs_compiles(backend):
     """A graph taking PackedKV inputs that no kv4 pass rewrote: Dynamo and AOTAutograd trace
