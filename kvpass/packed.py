@@ -441,6 +441,15 @@ class PackedKV(torch.Tensor):
     def _token_parts(self) -> list[torch.Tensor]:
         return [t for t in self._inner() if t is not self.filled_pads]
 
+    def repeat_interleave(self, repeats, dim=None, *, output_size=None):
+        # Tensor.repeat_interleave reaches __torch_dispatch__ decomposed (unsqueeze, expand, clone, view),
+        # which a packed cache has no form of; repeating whole batch rows (transformers'
+        # batch_repeat_interleave) is a row selection, which it has.
+        if isinstance(repeats, int) and dim is not None and dim % self.dim() == 0:
+            rows = torch.arange(self.shape[0], device=self.device).repeat_interleave(repeats, output_size=output_size)
+            return self.index_select(0, rows)
+        return super().repeat_interleave(repeats, dim, output_size=output_size)
+
     def __getitem__(self, index):
         result = super().__getitem__(index)
         if isinstance(result, PackedKV) and result._is_view() and type(result.codes) is torch.Tensor:

@@ -84,8 +84,13 @@ def test_batch_reorder_and_select(spec):
     for reordered in (p.index_select(0, order), p[order]):
         assert isinstance(reordered, PackedKV)
         torch.testing.assert_close(reordered.dequantize(), ref[order], rtol=0, atol=0)
-    # repeat_interleave decomposes before dispatch (unsqueeze/expand): correct through the fallback
-    torch.testing.assert_close(p.repeat_interleave(2, dim=0), ref.repeat_interleave(2, dim=0), rtol=0, atol=0)
+    # transformers' batch_repeat_interleave: the batch rows' stored bits repeated, not requantized
+    repeated = p.repeat_interleave(2, dim=0)
+    assert isinstance(repeated, PackedKV) and repeated.shape == (6, *p.shape[1:])
+    assert all(same_stored_bits(repeated[torch.tensor(rows)], p) for rows in ([0, 2, 4], [1, 3, 5]))
+    torch.testing.assert_close(repeated.dequantize(), ref.repeat_interleave(2, dim=0), rtol=0, atol=0)
+    # along another dimension it stays a plain tensor, through the fallback
+    torch.testing.assert_close(p.repeat_interleave(2, dim=1), ref.repeat_interleave(2, dim=1), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 128, 149])
