@@ -21,7 +21,7 @@ _THIS = "kvpass.cli"
 # subcommand -> (module providing add_arguments(parser) and run(args), help)
 SUBCOMMANDS = {
     "demo": (_THIS, "compile a built-in tiny model with kv4, generate, show bytes and sites"),
-    "explain": (_THIS, "print the graph diffs and site table kv4 produces for a models_zoo model"),
+    "explain": (_THIS, "print the graph diffs and site table kv4 produces for a models_zoo or real model"),
     "estimate": ("kvpass.estimate", "KV-cache bytes of a model at given contexts and batch sizes"),
     "eval": ("kvpass.eval", "streaming perplexity and greedy agreement on a real model"),
     "coverage": ("kvpass.coverage", "support matrix over transformers' causal-LM architectures"),
@@ -80,7 +80,10 @@ def run_demo(args) -> None:
 
 
 def _explain_arguments(parser):
-    parser.add_argument("model", nargs="?", default="llama", help="models_zoo name (default: llama)")
+    parser.add_argument(
+        "model", nargs="?", default="llama",
+        help=f"a models_zoo name (default: llama) or a model kvpass eval loads ({arguments.REAL_MODELS})",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=arguments.positive_int, default=3, help="decode steps (3 shows every graph kind)")
     parser.add_argument("--save", metavar="DIR", help="also write each graph's code, diff and site table here")
 
@@ -88,9 +91,8 @@ def _explain_arguments(parser):
 def run_explain(args) -> None:
     import kvpass
     from kvpass import debug
-    from kvpass.models_zoo import build
 
-    model = build(args.model)
+    model = _explained_model(args.model)
     backend = kvpass.kv4(debug_dir=args.save)
     model.compile(backend=backend)
     model.generate(torch.arange(2, 12)[None], max_new_tokens=args.new_tokens, do_sample=False)
@@ -98,6 +100,20 @@ def run_explain(args) -> None:
         print(f"===== {graph.name}")
         print(debug.site_table(graph.sites))
         print(graph.diff or "(graph unchanged)\n")
+
+
+def _explained_model(name: str):
+    """The models_zoo model ``name``, or the real model it names: what kv4 does to a user's own model
+    is the question ``explain`` answers."""
+    from kvpass.models_zoo import ZOO, build
+    from kvpass.models_zoo.real_model import load_model
+
+    if name in ZOO:
+        return build(name)
+    try:
+        return load_model(name)[0]
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err}; nor is it a models_zoo name: {sorted(ZOO)}") from None
 
 
 _LOCAL = {"demo": (_demo_arguments, run_demo), "explain": (_explain_arguments, run_explain)}

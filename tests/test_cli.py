@@ -14,7 +14,7 @@ import torch
 
 from kvpass import arguments
 from kvpass.cli import main, parse
-from tests.helpers import benchmark_script
+from tests.helpers import benchmark_script, save_tiny_model
 
 
 def test_explain_prints_site_tables_and_diffs(capsys):
@@ -25,6 +25,16 @@ def test_explain_prints_site_tables_and_diffs(capsys):
     assert re.search(r"model.layers.1.self_attn +sdpa +decode +int4", out)
     assert "+    kv4_decode = kvpass_graph_ops_kv4_decode(" in out
     assert "-    attn_output = torch._C._nn.scaled_dot_product_attention(" in out
+
+
+def test_explain_takes_a_users_own_model(capsys, tmp_path):
+    # a save_pretrained directory, as kvpass eval loads it: what kv4 does to a model of one's own
+    torch._dynamo.reset()
+    save_tiny_model(tmp_path)
+    assert main(["explain", str(tmp_path), "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("===== graph_") == 2
+    assert re.search(r"model.layers.0.self_attn +sdpa +decode +int4", out)
 
 
 def test_estimate_reproduces_llama_3_figure(capsys):
@@ -185,7 +195,8 @@ def test_every_benchmark_script_in_the_docs_takes_its_documented_arguments(monke
 
 def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
     for argv, message in [
-        (["explain", "llama9"], r"kvpass explain: error: unknown models_zoo name 'llama9'; accepted: \[.*'gpt2'"),
+        (["explain", "llama9"], r"kvpass explain: error: model 'llama9' is not 'smollm2', an existing \.gguf file, .*; "
+                                r"nor is it a models_zoo name: \[.*'gpt2'"),
         (["estimate", "--model", "lfm2", "--k-layer-bits", "0:8"],
          r"error: k_layer_bits: 0 is not the index of a KV layer of models_zoo:lfm2; those are 1"),
         (["eval", "--windows", "0"], r"kvpass eval: error: argument --windows: expected a positive integer, got '0'"),
@@ -214,7 +225,7 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
             main(argv)
         assert exit_info.value.code == 2
         assert re.search(message, capsys.readouterr().err)
-    with pytest.raises(ValueError, match="unknown models_zoo name"):  # --verbose keeps the traceback
+    with pytest.raises(FileNotFoundError, match="nor is it a models_zoo name"):  # --verbose keeps the traceback
         main(["-v", "explain", "llama9"])
 
 

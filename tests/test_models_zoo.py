@@ -10,7 +10,7 @@ from kvpass import models_zoo
 from kvpass.cache_argument import returned_cache
 from kvpass.models_zoo import ZOO, build
 from kvpass.models_zoo import real_model
-from tests.helpers import hub_cache
+from tests.helpers import hub_cache, save_tiny_model
 
 SLIDING = ("mistral", "gemma2", "gemma3", "starcoder2")
 PROMPT = torch.randint(3, models_zoo.VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -114,18 +114,6 @@ def test_load_model_names_what_it_accepts(tmp_path):
         real_model.load_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         real_model.load_model(str(tmp_path))
-
-
-def save_tiny_model(directory) -> None:
-    """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer, as ``save_pretrained`` writes them."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
-
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(32)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(directory)
 
 
 def test_load_model_reads_a_saved_directory(tmp_path):
