@@ -1214,7 +1214,7 @@ def _fallback(func, args, kwargs):
         if not isinstance(x, PackedKV):
             return x
         # Dynamo working out shapes (transformers' repeat_kv over a cache in a prefill): dequantizing
-        # fake parts would trace the whole codec for values nothing reads. As dequantize lays it out.
+        # fake parts would trace the whole codec for values nothing reads. Contiguous, as dequantize's is.
         return x.codes.new_empty(x.shape, dtype=x.dtype) if _shapes_only(x.codes) else x.dequantize()
 
     plain_args, plain_kwargs = torch.utils._pytree.tree_map(plain, (args, kwargs))
