@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 from kvpass import debug, passes
+from kvpass.tables import index_ranges
 from kvpass.config import KVConfig, QuantSpec
 
 log = logging.getLogger("kvpass")
@@ -90,6 +91,8 @@ def rewrite_then(inner_compiler, config: KVConfig):
         name = f"graph_{next(_graph_ids)}"
         before = debug.normalize_graph_code(gm)
         sites = passes.rewrite(gm, config)
+        if config.k_layers and not kv4_compiler.k_layers_checked:
+            kv4_compiler.k_layers_checked = _check_k_layers(config, kv4_compiler.graphs, sites)
         record = CompiledGraph(name, before, debug.normalize_graph_code(gm), sites)
         kv4_compiler.graphs.append(record)
         for site in sites:
@@ -101,7 +104,26 @@ def rewrite_then(inner_compiler, config: KVConfig):
 
     kv4_compiler.graphs = []
     kv4_compiler.config = config
+    kv4_compiler.k_layers_checked = False
     return kv4_compiler
+
+
+def _check_k_layers(config: KVConfig, earlier: list[CompiledGraph], sites: list[passes.SiteReport]) -> bool:
+    """Warn of ``k_layer_bits`` layers that hold no attention site, once ``sites`` repeat a layer an earlier
+    graph had: every layer runs in a forward, so by then each layer's sites were compiled (or ran across a
+    graph break, out of kv4's reach too), and the backend sees graphs, never the model. Whether it checked."""
+    seen_before = {passes.layer_index(s.module) for graph in earlier for s in graph.sites if s.reads_cache}
+    now = {passes.layer_index(s.module) for s in sites if s.reads_cache}
+    if not (seen_before & now) - {None}:
+        return False
+    seen = sorted((seen_before | now) - {None})
+    unknown = sorted(set(dict(config.k_layers)) - set(seen))
+    if unknown:
+        log.warning("kvpass: k_layer_bits names layer(s) %s, where no compiled graph has an attention site (the "
+                    "sites are in layers %s): their bits apply to nothing. A layer's index is the number in its "
+                    "module path, from 0 (model.layers.0.self_attn)",
+                    index_ranges(unknown), index_ranges(seen))  # fmt: skip
+    return True
 
 
 def _inner(name: str):
@@ -205,8 +227,9 @@ def kv4(
     unchanged): ``{11: 8}`` stores layer 11's keys in int8. A layer's index is the last number
     in its attention module's path (``model.layers.11.self_attn``); a cache shared by several
     layers keeps the spec of the first layer that reads it, and a static cache allocated before
-    compiling (``StaticKVCache``) the specs it was made with (the site table says so).
-    ``inner`` is the compiler the
+    compiling (``StaticKVCache``) the specs it was made with (the site table says so). A named
+    layer with no attention site is named in a warning once a graph repeats a layer (the first
+    decode step): the backend sees graphs, not the model. ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
     logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.

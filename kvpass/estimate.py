@@ -45,6 +45,7 @@ from kvpass.config import (
     QuantSpec,
 )  # fmt: skip
 from kvpass import arguments, reference
+from kvpass.tables import index_ranges
 from kvpass.backend import kv4
 
 logger = logging.getLogger("kvpass")
@@ -231,24 +232,13 @@ def _kv4_layer_specs(
         if type(layer) is not int or not 0 <= layer < len(kinds) or kinds[layer] not in _KV_KINDS:
             kv_layers = [i for i, kind in enumerate(kinds) if kind in _KV_KINDS]
             raise ValueError(f"k_layer_bits: {layer!r} is not the index of a KV layer of {sizes.name}; "
-                             f"those are {_ranges(kv_layers)}")  # fmt: skip
+                             f"those are {index_ranges(kv_layers)}")  # fmt: skip
         try:
             bits_by_layer[layer] = dataclasses.replace(specs[kinds[layer]][0], bits=bits)
         except ValueError as why:
             raise ValueError(f"k_layer_bits[{layer}]: {why}") from None
     return [(kind, bits_by_layer.get(i, specs[kind][0]), specs[kind][1])
             for i, kind in enumerate(kinds) if kind in _KV_KINDS]  # fmt: skip
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _kv4_spec_bytes(spec: QuantSpec, heads: int, dim: int, context: int, held: int) -> float:
@@ -589,7 +579,8 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
     if shared:
         kinds = ["shared" if i in shared else kind for i, kind in enumerate(kinds)]
         sliding = kinds.count("sliding")
-        notes.append(f"KV sharing: layers {_ranges(shared)} read earlier layers' caches and hold none of their own")
+        notes.append(f"KV sharing: layers {index_ranges(shared)} read earlier layers' caches and hold none of their "
+                     "own")
     full = kinds.count("full")
     if full + sliding == 0:
         why = "every layer reads K/V another model shares" if shared else f"layer types: {sorted(set(types))}"
@@ -617,7 +608,7 @@ def _loop_cache_layers(cfg: Any, kinds: list[str], notes: list[str]) -> list[str
         return []
     start = _get(cfg, "n_input_layers") or 0
     looped = kinds[start : start + _require(cfg, "recurrent layer count", "n_recurrent_layers")]
-    notes.append(f"recurrent loops: layers {_ranges(list(range(start, start + len(looped))))} run {loops} times, "
+    notes.append(f"recurrent loops: layers {index_ranges(list(range(start, start + len(looped))))} run {loops} times, "
                  f"each loop with caches of its own: {len(looped) * (loops - 1)} more cache layers")  # fmt: skip
     return looped * (loops - 1)
 
@@ -720,7 +711,7 @@ def describe(
     by_bits: dict[int, list[int]] = {}
     for layer, bits in sorted((k_layer_bits or {}).items()):
         by_bits.setdefault(bits, []).append(layer)
-    overrides = [f"kv4 K in int{bits} in layer{'s' if len(layers) > 1 else ''} {_ranges(layers)} (k_layer_bits)"
+    overrides = [f"kv4 K in int{bits} in layer{'s' if len(layers) > 1 else ''} {index_ranges(layers)} (k_layer_bits)"
                  for bits, layers in by_bits.items()]  # fmt: skip
     if kv4_settings:
         overrides.append("kv4 settings: " + ", ".join(f"{name}={value!r}" for name, value in kv4_settings.items()))

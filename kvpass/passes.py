@@ -213,7 +213,7 @@ def _module_path(node: fx.Node) -> str:
     return path.replace("L['self'].", "").replace("L['args'][0].", "")
 
 
-def _layer_index(module: str) -> int | None:
+def layer_index(module: str) -> int | None:
     """The last number in a module path: 11 for ``model.layers.11.self_attn`` (``KVConfig.k_layers``)."""
     numbers = [part for part in module.split(".") if part.isdigit()]
     return int(numbers[-1]) if numbers else None
@@ -1855,17 +1855,17 @@ def _rewrite_latent_caches(graph: fx.Graph, config: KVConfig, shared: _SharedWri
                 readers, has_past = _pack_dynamic_latent(graph, node, config, shared)
         except NoMatch as why:
             log.debug("kvpass: latent cache %s stays fp16: %s", cache.name, why)
-            left[cache] = str(why), _layer_index(_module_path(node))
+            left[cache] = str(why), layer_index(_module_path(node))
             continue
         # What the readers now get: the new tokens (prefill) or every stored token dequantized,
         # by the layer that reads it (a later layer's site descends from it too, through the residual).
         for reader in readers:
-            reads.update(dict.fromkeys(reader.all_input_nodes, _layer_index(_module_path(reader))))
+            reads.update(dict.fromkeys(reader.all_input_nodes, layer_index(_module_path(reader))))
         if has_past:
             phase = "latent"
         counters["latent_cache_write"] += 1
     for report, site in unmatched if reads or left else ():
-        layer = _layer_index(report.module)
+        layer = layer_index(report.module)
         if _has_ancestor(site, {read for read, reader_layer in reads.items() if reader_layer == layer}):
             report.rewritten, report.phase = True, phase
             report.reason = "attends over K/V projected from an int4 latent cache (dequantized on read each step)"
@@ -1973,7 +1973,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     outputs = {_attention_output(node, form) for node, form in candidates}
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
-        site_config = config.for_layer(_layer_index(module))
+        site_config = config.for_layer(layer_index(module))
         attn = None
         try:
             attn = ATTENTION_FORMS[form][1](node)
@@ -1993,7 +1993,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     owners: dict[fx.Node, KVConfig] = {}
     for index, module, form, attn, site_config, k, v in matched:
         notes = []
-        if config.k_layers and _layer_index(module) is None:
+        if config.k_layers and layer_index(module) is None:
             notes.append(f"no layer index in module path {module!r}: K has the settings for every layer")
         site_config = _for_head_dims(site_config, k, v, notes)
         stored_config = owners.setdefault(k.node, site_config)

@@ -620,11 +620,33 @@ def test_k_layer_bits_names_a_bad_layer_or_bits():
         kvpass.kv4(k_layer_bits={3: 5})
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("model_name, k_layer_bits, unknown", [
+    ("llama", {2: 8}, "layer(s) 2, where no compiled graph has an attention site (the sites are in layers 0-1)"),
+    ("llama", {1: 8}, None),
+    ("lfm2", {0: 8, 1: 8}, "layer(s) 0, where no compiled graph has an attention site (the sites are in layers 1)"),
+], ids=["past-the-last-layer", "a-layer-of-the-model", "a-convolution-layer"])  # fmt: skip
+def test_k_layer_bits_naming_a_layer_without_attention_says_so(model_name, k_layer_bits, unknown, caplog):
+    # The backend sees graphs, not the model: a layer past the last (counted from 1), or a hybrid model's
+    # convolution layer, would otherwise take the bits without a word.
+    from kvpass.models_zoo import build
+
+    torch._dynamo.reset()
+    model = build(model_name)
+    model.compile(backend=kvpass.kv4(k_layer_bits=k_layer_bits))
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        model.generate(_ids(20), max_new_tokens=3, do_sample=False)
+    warnings = [r.getMessage() for r in caplog.records if "k_layer_bits" in r.getMessage()]
+    said = (f"kvpass: k_layer_bits names {unknown}: their bits apply to nothing. A layer's index is the number in "
+            "its module path, from 0 (model.layers.0.self_attn)")  # fmt: skip
+    assert warnings == ([] if unknown is None else [said])
+
+
 def test_layer_index_is_the_last_number_in_the_module_path():
-    assert passes._layer_index("model.layers.11.self_attn") == 11
-    assert passes._layer_index("transformer.h.3.attn") == 3
-    assert passes._layer_index("model.decoder.layers.2.blocks.0.attn") == 0
-    assert passes._layer_index("attn") is None
+    assert passes.layer_index("model.layers.11.self_attn") == 11
+    assert passes.layer_index("transformer.h.3.attn") == 3
+    assert passes.layer_index("model.decoder.layers.2.blocks.0.attn") == 0
+    assert passes.layer_index("attn") is None
 
 
 @torch.no_grad()
