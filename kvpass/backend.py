@@ -11,8 +11,8 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 from kvpass import debug, passes
-from kvpass.tables import index_ranges
 from kvpass.config import KVConfig, QuantSpec
+from kvpass.tables import index_ranges
 
 log = logging.getLogger("kvpass")
 

@@ -45,8 +45,8 @@ from kvpass.config import (
     QuantSpec,
 )  # fmt: skip
 from kvpass import arguments, reference
-from kvpass.tables import index_ranges
 from kvpass.backend import kv4
+from kvpass.tables import index_ranges
 
 logger = logging.getLogger("kvpass")
 
