@@ -36,19 +36,35 @@ BENCHMARKS = {
 
 
 def _demo_arguments(parser):
-    parser.add_argument("--model", default="llama_hd128", help="models_zoo name (default: llama_hd128)")
+    parser.add_argument(
+        "--model", default="llama_hd128",
+        help=f"a models_zoo name (default: llama_hd128, random weights) or a model kvpass eval loads "
+             f"({arguments.REAL_MODELS}), whose prompt and continuations are shown as text",
+    )  # fmt: skip
     parser.add_argument("--prompt-tokens", type=arguments.positive_int, default=300)
     parser.add_argument("--new-tokens", type=arguments.positive_int, default=40)
+    parser.add_argument("--text", help="a real model's prompt: kjv, code (the standard library's source; the "
+                                       "default) or a file")  # fmt: skip
 
 
 @torch.no_grad()
 def run_demo(args) -> None:
     import kvpass
+    from kvpass import text_data
     from kvpass.debug import site_table
-    from kvpass.models_zoo import build
 
-    model = build(args.model)
-    ids = torch.randint(2, model.config.vocab_size, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    model, tokenizer = _model_and_tokenizer(args.model)
+    if tokenizer is None and args.text is not None:
+        raise ValueError(f"--text is a real model's prompt; models_zoo {args.model} has random weights and no "
+                         "tokenizer")
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(2, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
+    else:  # a few characters a token: enough text, then exactly the tokens asked for
+        ids = tokenizer(text_data.load(args.text or "code")[: 20 * args.prompt_tokens], return_tensors="pt").input_ids
+        if ids.shape[1] < args.prompt_tokens:
+            raise ValueError(f"--prompt-tokens {args.prompt_tokens} is more than the {ids.shape[1]} tokens of --text")
+        ids = ids[:, : args.prompt_tokens]
     fp_out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
     backend = kvpass.kv4()
     model.compile(backend=backend)
@@ -63,8 +79,9 @@ def run_demo(args) -> None:
     new, fp_new = out.sequences[0, ids.shape[1] :], fp_out.sequences[0, ids.shape[1] :]
     differs = (new != fp_new).nonzero()
     agreed = int(differs[0]) if len(differs) else len(new)
-    print(f"model: models_zoo {args.model} ({model.config.model_type}, random weights), "
-          f"{args.prompt_tokens} prompt + {args.new_tokens} generated tokens")  # fmt: skip
+    source = f"models_zoo {args.model} ({model.config.model_type}, random weights)" if tokenizer is None else \
+        f"{args.model} ({model.config.model_type})"
+    print(f"model: {source}, {args.prompt_tokens} prompt + {args.new_tokens} generated tokens")
     # A cache still waiting for K's prefix (under 64 tokens) holds K exact and can be larger.
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, {size}), "
@@ -73,8 +90,13 @@ def run_demo(args) -> None:
     # A graph per decode step would mean a length the graphs specialise on: say how many there were.
     print(f"kv4 generate: {seconds:.1f} s with compiling, {len(backend.graphs)} graphs compiled for "
           f"{args.new_tokens} generated tokens")  # fmt: skip
-    print(f"generated tokens equal to the unquantized model's before the first difference: {agreed} of {len(new)} "
-          "(random weights give near-flat logits, so an early difference says little)")  # fmt: skip
+    caveat = " (random weights give near-flat logits, so an early difference says little)" if tokenizer is None else ""
+    print(f"generated tokens equal to the unquantized model's before the first difference: {agreed} of {len(new)}"
+          f"{caveat}")  # fmt: skip
+    if tokenizer is not None:
+        print(f"prompt ends:      {tokenizer.decode(ids[0, -40:])!r}")
+        print(f"fp16 cache wrote: {tokenizer.decode(fp_new)!r}")
+        print(f"kv4 cache wrote:  {tokenizer.decode(new)!r}")
     print("attention sites of the last compiled graph:")
     print(site_table(backend.graphs[-1].sites))
 
@@ -92,7 +114,7 @@ def run_explain(args) -> None:
     import kvpass
     from kvpass import debug
 
-    model = _explained_model(args.model)
+    model = _model_and_tokenizer(args.model)[0]
     backend = kvpass.kv4(debug_dir=args.save)
     model.compile(backend=backend)
     model.generate(torch.arange(2, 12)[None], max_new_tokens=args.new_tokens, do_sample=False)
@@ -102,16 +124,16 @@ def run_explain(args) -> None:
         print(graph.diff or "(graph unchanged)\n")
 
 
-def _explained_model(name: str):
-    """The models_zoo model ``name``, or the real model it names: what kv4 does to a user's own model
-    is the question ``explain`` answers."""
+def _model_and_tokenizer(name: str):
+    """The models_zoo model ``name`` and None, or the real model it names and its tokenizer: what kv4
+    does to a user's own model is what ``explain`` and ``demo`` show."""
     from kvpass.models_zoo import ZOO, build
     from kvpass.models_zoo.real_model import load_model
 
     if name in ZOO:
-        return build(name)
+        return build(name), None
     try:
-        return load_model(name)[0]
+        return load_model(name)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err}; nor is it a models_zoo name: {sorted(ZOO)}") from None
 

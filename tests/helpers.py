@@ -165,12 +165,15 @@ def hub_cache(root, monkeypatch, repo_id: str, commit: str = "0" * 40):
 
 
 def save_tiny_model(directory) -> None:
-    """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer, as ``save_pretrained`` writes them."""
+    """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer (words split at spaces), as
+    ``save_pretrained`` writes them."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(32)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)

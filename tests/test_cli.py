@@ -37,6 +37,23 @@ def test_explain_takes_a_users_own_model(capsys, tmp_path):
     assert re.search(r"model.layers.0.self_attn +sdpa +decode +int4", out)
 
 
+def test_demo_on_a_users_own_model_shows_its_text(capsys, tmp_path):
+    torch._dynamo.reset()
+    save_tiny_model(tmp_path / "model")
+    text = tmp_path / "prompt.txt"
+    text.write_text(" ".join(f"t{i * 7 % 31 + 1}" for i in range(200)))
+    assert main(["demo", "--model", str(tmp_path / "model"), "--text", str(text), "--prompt-tokens", "70",
+                 "--new-tokens", "6"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"model: {tmp_path / 'model'} (llama), 70 prompt + 6 generated tokens" in out
+    assert re.search(r"prompt ends: +'(t\d+ ){39}t\d+'", out)
+    wrote = re.findall(r"(fp16|kv4) cache wrote: +'((?:t\d+ ?){6})'", out)
+    assert [name for name, _ in wrote] == ["fp16", "kv4"]
+    with pytest.raises(SystemExit):  # more tokens than the text holds
+        main(["demo", "--model", str(tmp_path / "model"), "--text", str(text), "--prompt-tokens", "300"])
+    assert "--prompt-tokens 300 is more than the 200 tokens of --text" in capsys.readouterr().err
+
+
 def test_estimate_reproduces_llama_3_figure(capsys):
     assert main(["estimate", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--context", "131072"]) == 0
     assert "16.00 GiB" in capsys.readouterr().out
@@ -218,6 +235,7 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["estimate", "--layers", "32", "--kv-heads", "0", "--head-dim", "128"],
          r"error: argument --kv-heads: expected a positive integer, got '0'"),
         (["demo", "--new-tokens", "1.5"], r"kvpass demo: error: argument --new-tokens: expected a positive integer, got '1.5'"),
+        (["demo", "--text", "kjv"], r"kvpass demo: error: --text is a real model's prompt; models_zoo llama_hd128 has "),
         (["eval", "--methods", "fp,kv4", "--against", "int8"],
          r"kvpass eval: error: --against 'int8' is not among --methods \['fp', 'kv4'\]"),
     ]:  # fmt: skip
