@@ -1,5 +1,6 @@
 """The kv4 backend end to end on unmodified HF models."""
 
+import copy
 import dataclasses
 import logging
 import re
@@ -546,6 +547,29 @@ def test_k_layer_bits_stores_the_named_layers_keys_with_those_bits():
     for got, want in [(mixed[0].keys, k8[0].keys), (mixed[0].values, default[0].values)]:
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
         assert torch.equal(got.dequantize(), want.dequantize())
+
+
+@torch.no_grad()
+def test_a_cache_keeps_the_settings_it_was_made_with_under_a_model_compiled_again():
+    # README: compiled again with other settings, a model appends to an existing cache under its own
+    # settings (no number read under the wrong ones) and makes new caches with the new ones.
+    torch._dynamo.reset()
+    model = kv_heavy_llama()
+    ids = _ids(70)
+    made = returned_cache(torch.compile(model, backend=kvpass.kv4())(input_ids=ids, **cache_arg(DynamicCache()),
+                                                                        use_cache=True))  # fmt: skip
+    expected = [layer.keys.dequantize() for layer in made.layers]
+    token = torch.tensor([[5]])
+    default_step = torch.compile(model, backend=kvpass.kv4())
+    same_settings = default_step(input_ids=token, **cache_arg(copy.deepcopy(made)), use_cache=True)
+    step = torch.compile(model, backend=kvpass.kv4(bits=8))
+    out = step(input_ids=token, **cache_arg(made), use_cache=True)
+    assert torch.equal(out.logits, same_settings.logits)
+    for layer, before in zip(returned_cache(out).layers, expected):
+        assert layer.keys.spec.bits == 4 and layer.values.spec.bits == 4
+        assert torch.equal(layer.keys.dequantize()[:, :, :70], before)
+    fresh = returned_cache(step(input_ids=ids, **cache_arg(DynamicCache()), use_cache=True))
+    assert {(layer.keys.spec.bits, layer.values.spec.bits) for layer in fresh.layers} == {(8, 8)}
 
 
 @torch.no_grad()
