@@ -6,7 +6,10 @@ states (waiting for its prefix, reaching it, quantized) is another, so the first
 compiling: what a user waits for before a chat settles (docs/design.md, "Fake fallbacks in a chat's
 prefill"). The graphs counted are the model's and, for kv4, its compiled CPU decode steps'.
 
-    python benchmarks/chat_turns.py [--cache kv4|fp] [--turns 5] [--new-tokens 25]
+    python benchmarks/chat_turns.py [--cache kv4|fp] [--turns 5] [--new-tokens 25] [--compile-times]
+
+``--compile-times`` prints Dynamo's timings of every compile at the end (one column a graph, in order):
+``get_fake_value`` is the trace's fake values, where kv4's appends and fallbacks run on fake tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--cache", choices=("kv4", "fp"), default="kv4", help="kv4, or fp caches (backend eager)")
     parser.add_argument("--turns", type=int, default=5, choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--new-tokens", type=int, default=25)
+    parser.add_argument("--compile-times", action="store_true", help="print Dynamo's compile timings at the end")
     args = parser.parse_args()
     torch.set_num_threads(2)
     model, tokenizer = load_model("smollm2")
@@ -48,6 +52,8 @@ def main() -> None:
         messages.append({"role": "assistant", "content": answer})
         print(f"turn {turn}: {seconds:5.1f} s, {_graphs_compiled() - graphs} graphs, prompt {ids.shape[1]} tokens, "
               f"cache {cache.get_seq_length()}: {answer[:40]!r}", flush=True)  # fmt: skip
+    if args.compile_times:
+        print(torch._dynamo.utils.compile_times())
 
 
 def _graphs_compiled() -> int:
