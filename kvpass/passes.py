@@ -1483,7 +1483,8 @@ def _rewrite_site(
             for write, reader in ((k, attn.key_reader), (v, attn.value_reader)):
                 (write.chain[-1] if write.chain else reader).replace_input_with(write.node, write.new)
         else:
-            _fused_attention(graph, attn, k, v, _read_past(graph, k, attn), _read_past(graph, v, attn), (k_spec, v_spec))
+            k_past, v_past = _read_past(graph, k, attn), _read_past(graph, v, attn)
+            _fused_attention(graph, attn, k, v, k_past, v_past, (k_spec, v_spec))
     for write in (k, v):
         shared.pending[write.node] -= 1
         if shared.pending[write.node]:

@@ -17,6 +17,7 @@ import kvpass
 from kvpass import debug, packed, passes, reference
 from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.config import KVConfig, QuantSpec
+from kvpass.models_zoo import build
 from kvpass.packed import PackedKV
 from kvpass.simulate import SimulatedKVCache, observed_queries
 from tests.helpers import (cache_tensors, greedy_forward_loop, kv_heavy_llama, packed_and_fp16_bytes, same_stored_bits,
@@ -269,8 +270,6 @@ def test_an_attention_over_a_window_of_a_cache_write_without_a_stored_token_stay
 def test_a_flex_attention_model_keeps_fp16_caches_and_says_why():
     """attn_implementation="flex_attention": no attention form read the prompt's cache writes, so they were
     packed as an MLA latent, and the next step's trace failed at flex_attention over a PackedKV."""
-    from kvpass.models_zoo import build
-
     torch._dynamo.reset()
     model = build("llama", attn_implementation="flex_attention")
     expected = model.generate(_ids(70), max_new_tokens=4, do_sample=False)
@@ -653,8 +652,6 @@ def test_k_layer_bits_names_a_bad_layer_or_bits():
 def test_k_layer_bits_naming_a_layer_without_attention_says_so(model_name, k_layer_bits, unknown, caplog):
     # The backend sees graphs, not the model: a layer past the last (counted from 1), or a hybrid model's
     # convolution layer, would otherwise take the bits without a word.
-    from kvpass.models_zoo import build
-
     torch._dynamo.reset()
     model = build(model_name)
     model.compile(backend=kvpass.kv4(k_layer_bits=k_layer_bits))

@@ -191,7 +191,8 @@ def test_prompt_lookup_on_sliding_layers_reads_their_window_of_the_packed_cache(
     backend = kvpass.kv4()
     model.compile(backend=backend)
     apart_before = passes.counters["decode_appends_apart"]
-    out = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, prompt_lookup_num_tokens=3,
+                         return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
     assert all(isinstance(layer.keys, PackedKV) and isinstance(layer.values, PackedKV)
                for layer in returned_cache(out).layers)  # fmt: skip
