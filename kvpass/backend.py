@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 
@@ -86,7 +87,8 @@ def rewrite_then(inner_compiler, config: KVConfig):
     The returned callable keeps a :class:`CompiledGraph` per graph in ``.graphs``.
     """
 
-    def kv4_compiler(gm: torch.fx.GraphModule, example_inputs, **compile_options):
+    def kv4_compiler(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+        _check_inner_options(config, options)
         _allow_recompiles()
         name = f"graph_{next(_graph_ids)}"
         before = debug.normalize_graph_code(gm)
@@ -100,7 +102,7 @@ def rewrite_then(inner_compiler, config: KVConfig):
                 log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
         if debug.debug_requested(config.debug):
             debug.report(record.name, record.before, record.after, sites, config.debug_dir)
-        return inner_compiler(gm, example_inputs, **compile_options)
+        return inner_compiler(gm, example_inputs, mode=mode, options=options)
 
     kv4_compiler.graphs = []
     kv4_compiler.config = config
@@ -126,6 +128,21 @@ def _check_k_layers(config: KVConfig, earlier: list[CompiledGraph], sites: list[
     return True
 
 
+def _check_inner_options(config: KVConfig, options: dict | None) -> None:
+    """``options`` reaching a kv4 backend are its inner compiler's: kv4's own settings were taken out by
+    ``backend="kv4"`` or belong in ``kvpass.kv4(...)``, and only inductor reads any."""
+    if not options:
+        return
+    settings = sorted(set(options) & set(SETTINGS))
+    if settings:
+        raise ValueError(f"kvpass: options {settings} are kv4 settings, which a kvpass.kv4(...) backend takes as "
+                         f"its own arguments (kvpass.kv4({settings[0]}=...)); backend='kv4' takes them as options")
+    if config.inner != "inductor":
+        raise ValueError(f"kvpass: options {sorted(options)} are not kv4 settings, and the {config.inner} inner "
+                         f"compiler takes no options. kv4's settings: {list(SETTINGS)}; inductor's options need "
+                         f"inner='inductor'")  # fmt: skip
+
+
 def _inner(name: str):
     """The inner compiler; ``mode``/``options`` of ``torch.compile`` reach it as keywords."""
     if name == "inductor":
@@ -133,19 +150,19 @@ def _inner(name: str):
     backend = lookup_backend(name) if name != "eager" else (lambda gm, example_inputs: gm.forward)
 
     def without_options(gm, example_inputs, mode=None, options=None):
-        if mode or options:
-            _warn_ignored(name, mode, repr(options))
+        if mode:
+            _warn_ignored(name, mode)
         return backend(gm, example_inputs)
 
     return without_options
 
 
-# Once per setting, not per graph: generate's compile route passes CompileConfig's default
+# Once per mode, not per graph: generate's compile route passes CompileConfig's default
 # mode="reduce-overhead" to every graph it compiles.
 @functools.lru_cache(maxsize=None)
-def _warn_ignored(name: str, mode, options: str) -> None:
-    log.warning("kvpass: the %s inner compiler ignores mode=%r options=%s; CUDA graphs "
-                "(mode='reduce-overhead') and inductor options need kv4(inner='inductor')", name, mode, options)  # fmt: skip
+def _warn_ignored(name: str, mode) -> None:
+    log.warning("kvpass: the %s inner compiler ignores mode=%r; CUDA graphs (mode='reduce-overhead') need "
+                "kv4(inner='inductor')", name, mode)  # fmt: skip
 
 
 def _inductor(gm, example_inputs, mode=None, options=None):
@@ -284,12 +301,25 @@ def _k_layers(k: QuantSpec, bits_by_layer: dict[int, int]) -> tuple[tuple[int, Q
     return tuple(layers)
 
 
-def kv4_backend(gm: torch.fx.GraphModule, example_inputs, **compile_options):
-    """``backend="kv4"``: the default settings (registered as a ``torch_dynamo_backends`` entry point)."""
-    return default_backend()(gm, example_inputs, **compile_options)
+# The keywords of kv4(): what torch.compile(..., backend="kv4", options={...}) may set.
+SETTINGS = tuple(inspect.signature(kv4).parameters)
 
 
-@functools.cache
-def default_backend():
-    """The compiler behind ``backend="kv4"``; its ``.graphs`` record every graph it rewrote."""
-    return kv4()
+def kv4_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+    """``backend="kv4"`` (a ``torch_dynamo_backends`` entry point): the default settings, or those
+    ``torch.compile``'s ``options`` set (``options={"bits": 8}``, any :func:`kv4` keyword). Options that
+    are no kv4 setting go to the inner compiler (``options={"inner": "inductor", "max_autotune": True}``)."""
+    options = options or {}
+    settings = {name: value for name, value in options.items() if name in SETTINGS}
+    inner_options = {name: value for name, value in options.items() if name not in SETTINGS}
+    return default_backend(**settings)(gm, example_inputs, mode=mode, options=inner_options or None)
+
+
+_BACKENDS: dict[KVConfig, object] = {}
+
+
+def default_backend(**settings):
+    """The compiler behind ``backend="kv4"``, or behind ``backend="kv4"`` with ``options=settings``:
+    one per distinct configuration in a process, so that its ``.graphs`` record every graph it rewrote."""
+    backend = kv4(**settings)
+    return _BACKENDS.setdefault(backend.config, backend)

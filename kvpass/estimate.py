@@ -32,7 +32,6 @@ import argparse
 import ast
 import collections
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from kvpass.config import (
     QuantSpec,
 )  # fmt: skip
 from kvpass import arguments, reference
-from kvpass.backend import kv4
+from kvpass.backend import SETTINGS, kv4
 from kvpass.tables import index_ranges
 
 logger = logging.getLogger("kvpass")
@@ -196,7 +195,7 @@ def _kv4_specs(
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
     if kv4_settings:  # the backend's own defaults and checks
-        accepted = [name for name in inspect.signature(kv4).parameters if name not in _OWN_KV4_OPTIONS]
+        accepted = [name for name in SETTINGS if name not in _OWN_KV4_OPTIONS]
         unknown = [name for name in kv4_settings if name not in accepted]
         if unknown:
             raise ValueError(f"kv4 settings {unknown} are not kvpass.kv4 settings the estimate takes; those are {accepted}")

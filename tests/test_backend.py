@@ -440,7 +440,7 @@ def test_inductor_inner_compiler_gives_the_eager_inner_tokens():
     assert torch.equal(*results)
 
 
-def test_an_ignored_compile_mode_is_warned_about_once_per_setting(caplog):
+def test_an_ignored_compile_mode_is_warned_about_once_per_mode(caplog):
     """The eager inner compiler cannot run CUDA graphs: a user asking for them learns so, once."""
     def step(x):
         x = x.sin()
@@ -451,13 +451,47 @@ def test_an_ignored_compile_mode_is_warned_about_once_per_setting(caplog):
     kvpass.backend._warn_ignored.cache_clear()  # another test may have been warned already
     with caplog.at_level(logging.WARNING, logger="kvpass"):
         torch.compile(step, backend="kv4", mode="reduce-overhead")(torch.randn(3))
-        torch.compile(step, backend="kv4", options={"trace.enabled": True})(torch.randn(3))
+        torch.compile(step, backend="kv4", mode="max-autotune")(torch.randn(3))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, warnings
     assert "eager inner compiler ignores mode='reduce-overhead'" in warnings[0]
     assert "kv4(inner='inductor')" in warnings[0]
-    assert "options={'trace.enabled': True}" in warnings[1]
+    assert "mode='max-autotune'" in warnings[1]
 
+
+@torch.no_grad()
+def test_compile_options_set_kv4s_settings():
+    """``torch.compile(..., backend="kv4", options=...)`` is how a registered backend takes settings (and
+    ``CompileConfig(backend="kv4", options=...)`` generate's compile route): the same caches and logits
+    as the ``kvpass.kv4(...)`` backend with those settings, recorded in that configuration's backend."""
+    settings = {"bits": 8, "k_layer_bits": {0: 4}}
+    recorded, recorded_by_default = len(kvpass.default_backend(**settings).graphs), len(kvpass.default_backend().graphs)
+    results = []
+    for backend, options in (("kv4", settings), (kvpass.kv4(**settings), None)):
+        torch._dynamo.reset()
+        model = kv_heavy_llama()
+        out = torch.compile(model, backend=backend, options=options)(input_ids=_ids(70), use_cache=True)
+        results.append(out)
+    cache = returned_cache(results[0])
+    assert [(layer.keys.spec.bits, layer.values.spec.bits) for layer in cache.layers] == [(4, 8), (8, 8)]
+    assert torch.equal(results[0].logits, results[1].logits)
+    assert all(same_stored_bits(*pair) for pair in zip(*map(cache_tensors, map(returned_cache, results))))
+    assert len(kvpass.default_backend(**settings).graphs) == recorded + 1
+    assert len(kvpass.default_backend().graphs) == recorded_by_default
+
+
+@pytest.mark.parametrize(
+    "backend, options, says",
+    [("kv4", {"k_layer_bit": {0: 8}}, r"options \['k_layer_bit'\] are not kv4 settings.*'k_layer_bits'"),
+     ("kv4", {"trace.enabled": True}, r"the eager inner compiler takes no options.*need inner='inductor'"),
+     ("kv4", {"bits": 3}, r"bits must be one of \[2, 4, 8\], got 3"),
+     (kvpass.kv4(), {"bits": 8}, r"options \['bits'\] are kv4 settings.*kvpass.kv4\(bits=...\)")],
+)  # fmt: skip
+def test_compile_options_kv4_cannot_take_are_refused(backend, options, says):
+    """A misspelt setting applied to nothing but a warning before options carried settings."""
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=says):
+        torch.compile(lambda x: x.sin(), backend=backend, options=options)(torch.randn(3))
 
 
 @pytest.mark.parametrize("prompt", [5, 200])
