@@ -5,6 +5,8 @@ and what is accepted, instead of failing later inside a run (``--chunk 0``) or r
 from __future__ import annotations
 
 import argparse
+import ast
+from typing import Any
 
 _SUFFIXES = {"k": 2**10, "m": 2**20}
 
@@ -80,6 +82,25 @@ def one_of(known, what: str):
     return name
 
 
+def add_kv4_settings(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--kv4-setting NAME=VALUE``, repeatable, into ``args.kv4_settings``: ``kvpass.kv4`` keywords for ``what``."""
+    parser.add_argument("--kv4-setting", dest="kv4_settings", type=kv4_setting, action="append", default=[],
+                        metavar="NAME=VALUE", help=f"a kvpass.kv4 keyword argument for {what}, e.g. bits=8, "
+                        "k_defer_prefix=False or 'k_layer_bits={8: 8}' (repeatable)")  # fmt: skip
+
+
+def kv4_setting(text: str) -> tuple[str, Any]:
+    """``'k_prefix_tokens=512'`` -> ``('k_prefix_tokens', 512)``, a keyword argument of ``kvpass.kv4``
+    and its value (a Python literal, else the text itself); the name is checked where it is used."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as k_prefix_tokens=512, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value
+
+
 def _int_at_least(text: str, least: int, what: str) -> int:
     try:
         value = int(text)
@@ -95,3 +116,4 @@ def _listed(text: str, item, what: str) -> list:
     if not parts:
         raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
     return [item(part) for part in parts]
+

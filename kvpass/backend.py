@@ -305,6 +305,15 @@ def _k_layers(k: QuantSpec, bits_by_layer: dict[int, int]) -> tuple[tuple[int, Q
 SETTINGS = tuple(inspect.signature(kv4).parameters)
 
 
+def check_settings(settings: dict, what: str, taken: tuple[str, ...] = ()) -> None:
+    """Refuse ``settings`` naming anything but :func:`kv4`'s keywords, less those ``taken`` by the caller
+    (``what`` takes the rest), naming the ones accepted."""
+    accepted = [name for name in SETTINGS if name not in taken]
+    unknown = [name for name in settings if name not in accepted]
+    if unknown:
+        raise ValueError(f"kv4 settings {unknown} are not kvpass.kv4 settings {what} takes; those are {accepted}")
+
+
 def kv4_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """``backend="kv4"`` (a ``torch_dynamo_backends`` entry point): the default settings, or those
     ``torch.compile``'s ``options`` set (``options={"bits": 8}``, any :func:`kv4` keyword). Options that

@@ -45,11 +45,11 @@ def _demo_arguments(parser):
     parser.add_argument("--new-tokens", type=arguments.positive_int, default=40)
     parser.add_argument("--text", help="a real model's prompt: kjv, code (the standard library's source; the "
                                        "default) or a file")  # fmt: skip
+    arguments.add_kv4_settings(parser, "the kv4 run")
 
 
 @torch.no_grad()
 def run_demo(args) -> None:
-    import kvpass
     from kvpass import text_data
     from kvpass.debug import site_table
 
@@ -66,7 +66,7 @@ def run_demo(args) -> None:
             raise ValueError(f"--prompt-tokens {args.prompt_tokens} is more than the {ids.shape[1]} tokens of --text")
         ids = ids[:, : args.prompt_tokens]
     fp_out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
-    backend = kvpass.kv4()
+    backend = _kv4(args)
     model.compile(backend=backend)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
@@ -81,7 +81,9 @@ def run_demo(args) -> None:
     agreed = int(differs[0]) if len(differs) else len(new)
     source = f"models_zoo {args.model} ({model.config.model_type}, random weights)" if tokenizer is None else \
         f"{args.model} ({model.config.model_type})"
-    print(f"model: {source}, {args.prompt_tokens} prompt + {args.new_tokens} generated tokens")
+    settings = ", ".join(f"{name}={value!r}" for name, value in args.kv4_settings)
+    print(f"model: {source}, {args.prompt_tokens} prompt + {args.new_tokens} generated tokens, "
+          f"kvpass.kv4({settings})")  # fmt: skip
     # A cache still waiting for K's prefix (under 64 tokens) holds K exact and can be larger.
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, {size}), "
@@ -108,20 +110,29 @@ def _explain_arguments(parser):
     )  # fmt: skip
     parser.add_argument("--new-tokens", type=arguments.positive_int, default=3, help="decode steps (3 shows every graph kind)")
     parser.add_argument("--save", metavar="DIR", help="also write each graph's code, diff and site table here")
+    arguments.add_kv4_settings(parser, "the backend (debug_dir is --save)")
 
 
 def run_explain(args) -> None:
-    import kvpass
     from kvpass import debug
 
     model = _model_and_tokenizer(args.model)[0]
-    backend = kvpass.kv4(debug_dir=args.save)
+    backend = _kv4(args, debug_dir=args.save)
     model.compile(backend=backend)
     model.generate(torch.arange(2, 12)[None], max_new_tokens=args.new_tokens, do_sample=False)
     for graph in backend.graphs:
         print(f"===== {graph.name}")
         print(debug.site_table(graph.sites))
         print(graph.diff or "(graph unchanged)\n")
+
+
+def _kv4(args, **own):
+    """``kvpass.kv4`` with ``--kv4-setting``'s keywords and the command's ``own``."""
+    from kvpass.backend import check_settings, kv4
+
+    settings = dict(args.kv4_settings)
+    check_settings(settings, f"kvpass {args.command}", taken=tuple(own))
+    return kv4(**settings, **own)
 
 
 def _model_and_tokenizer(name: str):

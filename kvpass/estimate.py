@@ -29,7 +29,6 @@ more; a prompt of 6 to 63 keeps one sink, paid for by one refined token at head_
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import dataclasses
 import json
@@ -44,7 +43,7 @@ from kvpass.config import (
     QuantSpec,
 )  # fmt: skip
 from kvpass import arguments, reference
-from kvpass.backend import SETTINGS, kv4
+from kvpass.backend import check_settings, kv4
 from kvpass.tables import index_ranges
 
 logger = logging.getLogger("kvpass")
@@ -195,10 +194,7 @@ def _kv4_specs(
     _check_positive_int("k_group", k_group)
     _check_positive_int("v_group", v_group)
     if kv4_settings:  # the backend's own defaults and checks
-        accepted = [name for name in SETTINGS if name not in _OWN_KV4_OPTIONS]
-        unknown = [name for name in kv4_settings if name not in accepted]
-        if unknown:
-            raise ValueError(f"kv4 settings {unknown} are not kvpass.kv4 settings the estimate takes; those are {accepted}")
+        check_settings(kv4_settings, "the estimate", taken=_OWN_KV4_OPTIONS)
         config = kv4(k_group=k_group, v_group=v_group, **kv4_settings).config
         k_spec, v_spec = config.k, config.v
     else:
@@ -768,18 +764,6 @@ def _layer_bits(text: str) -> tuple[int, int]:
     return int(layer), int(bits)
 
 
-def _kv4_setting(text: str) -> tuple[str, Any]:
-    """argparse type: ``'k_prefix_tokens=512'`` -> ``('k_prefix_tokens', 512)``, a keyword argument of
-    ``kvpass.kv4`` and its value (a Python literal, else the text itself)."""
-    name, sep, value = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE such as k_prefix_tokens=512, got {text!r}")
-    try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return name, value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvpass estimate``."""
     parser.add_argument(
@@ -828,16 +812,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LAYER:BITS",
         help="kv4 K bits in chosen layers, as kvpass.kv4(k_layer_bits=...) stores them: 11:8 13:8",
     )
-    parser.add_argument(
-        "--kv4-setting",
-        dest="kv4_settings",
-        type=_kv4_setting,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="another kvpass.kv4 keyword argument for the kv4 column, e.g. k_prefix_tokens=512 or "
-        "k_defer_prefix=False (repeatable)",
-    )
+    arguments.add_kv4_settings(parser, "the kv4 column (not k_group, v_group or k_layer_bits, options of their own)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,27 @@ def test_explain_takes_a_users_own_model(capsys, tmp_path):
     assert re.search(r"model.layers.0.self_attn +sdpa +decode +int4", out)
 
 
+def test_explain_and_demo_take_kv4_settings(capsys):
+    """What a setting does to a model, as ``kvpass estimate --kv4-setting`` costs it."""
+    torch._dynamo.reset()
+    assert main(["explain", "qwen2", "--new-tokens", "2", "--kv4-setting", "bits=8",
+                 "--kv4-setting", "k_layer_bits={1: 4}"]) == 0  # fmt: skip
+    specs = re.findall(r"([kv])_spec = '(int\d)", capsys.readouterr().out)
+    assert sorted(set(specs)) == [("k", "int4"), ("k", "int8"), ("v", "int8")]
+    torch._dynamo.reset()
+    assert main(["demo", "--prompt-tokens", "70", "--new-tokens", "3", "--kv4-setting", "v_bits=8"]) == 0
+    out = capsys.readouterr().out
+    assert "70 prompt + 3 generated tokens, kvpass.kv4(v_bits=8)" in out
+    assert 0.45 < float(re.search(r"kv4 [\d,]+ bytes \((\S+)x", out).group(1)) < 0.5  # 4-bit K, 8-bit V
+    for command in (["demo"], ["explain", "qwen2"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--kv4-setting", "bitz=8"])
+        assert "kv4 settings ['bitz'] are not kvpass.kv4 settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["explain", "--kv4-setting", "debug_dir=out"])
+    assert "those are ['bits'," in capsys.readouterr().err
+
+
 def test_demo_on_a_users_own_model_shows_its_text(capsys, tmp_path):
     torch._dynamo.reset()
     save_tiny_model(tmp_path / "model")
@@ -45,7 +66,7 @@ def test_demo_on_a_users_own_model_shows_its_text(capsys, tmp_path):
     assert main(["demo", "--model", str(tmp_path / "model"), "--text", str(text), "--prompt-tokens", "70",
                  "--new-tokens", "6"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert f"model: {tmp_path / 'model'} (llama), 70 prompt + 6 generated tokens" in out
+    assert f"model: {tmp_path / 'model'} (llama), 70 prompt + 6 generated tokens, kvpass.kv4()" in out
     assert re.search(r"prompt ends: +'(t\d+ ){39}t\d+'", out)
     wrote = re.findall(r"(fp16|kv4) cache wrote: +'((?:t\d+ ?){6})'", out)
     assert [name for name, _ in wrote] == ["fp16", "kv4"]
