@@ -289,6 +289,8 @@ def kv4(
 
 
 def _k_layers(k: QuantSpec, bits_by_layer: dict[int, int]) -> tuple[tuple[int, QuantSpec], ...]:
+    if not isinstance(bits_by_layer, dict):
+        raise ValueError(f"k_layer_bits must be a dict of layer index to K bits ({{11: 8}}), got {bits_by_layer!r}")
     for layer in bits_by_layer:
         if type(layer) is not int or layer < 0:
             raise ValueError(f"k_layer_bits: layer {layer!r} is not a layer index (an int >= 0)")

@@ -56,8 +56,14 @@ INNER_COMPILERS = ("eager", "aot_eager", "inductor")
 
 
 def _check_choice(name, value, accepted):
-    if value not in accepted:
+    # By type too: 4.0 == 4, but a float's bits made a spec tag ('int4.0:...') the graph ops cannot read back.
+    if value not in accepted or type(value) is not type(accepted[0]):
         raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
+
+
+def _is_count(value) -> bool:
+    """An int, not a bool (True would pass isinstance(value, int) as one token)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,20 +183,20 @@ class QuantSpec:
             raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
-        if not isinstance(self.window, int) or self.window < 0:
+        if not _is_count(self.window) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (tokens kept unquantized), got {self.window!r}")
         if not isinstance(self.clip, bool):
             raise ValueError(f"clip must be True or False, got {self.clip!r}")
         if self.clip and not self.symmetric:
             raise ValueError("clip=True needs symmetric=True; asymmetric groups span their min..max, use clip=False")
-        if not isinstance(self.refine, int) or self.refine < 0:
+        if not _is_count(self.refine) or self.refine < 0:
             raise ValueError(f"refine must be an int >= 0 (newest tokens with a second code plane), got {self.refine!r}")
         if self.refine and (self.scheme != "token" or self.window):
             raise ValueError(
                 f"refine={self.refine} needs scheme='token' and window=0, got scheme={self.scheme!r}, "
                 f"window={self.window}: it refines quantized tokens, which those keep unquantized"
             )
-        if not isinstance(self.sinks, int) or self.sinks < 0:
+        if not _is_count(self.sinks) or self.sinks < 0:
             raise ValueError(f"sinks must be an int >= 0 (first tokens kept unquantized), got {self.sinks!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"center must be True or False, got {self.center!r}")
@@ -429,6 +435,8 @@ class KVConfig:
 
     def __post_init__(self):
         _check_choice("inner", self.inner, INNER_COMPILERS)
+        if not isinstance(self.debug, bool):
+            raise ValueError(f"debug must be True or False, got {self.debug!r}")
         if self.v.query_rounded:
             raise ValueError("v.query_rounded=True is not supported: only K's cache writes are handed their queries")
         if self.v.scheme == "channel":

@@ -394,6 +394,12 @@ def test_backend_string_works_in_a_process_that_never_imports_kvpass():
         ({"clip": "mse"}, "clip must be True or False, got 'mse'"),
         ({"refine": -1}, "refine must be an int >= 0"),
         ({"window": 64, "refine": 8}, "refine=8 needs scheme='token' and window=0"),
+        # equal to an accepted value, but not of its type: bits=4.0 failed at the first compile, on the spec's tag
+        ({"bits": 4.0}, r"bits must be one of \[2, 4, 8\], got 4.0"),
+        ({"k_sinks": True}, "sinks must be an int >= 0 .*, got True"),
+        ({"debug": "yes"}, "debug must be True or False, got 'yes'"),
+        ({"k_layer_bits": [(3, 8)]},
+         r"k_layer_bits must be a dict of layer index to K bits \(\{11: 8\}\), got \[\(3, 8\)\]"),
     ],
 )
 def test_invalid_settings_name_the_setting_and_accepted_values(kwargs, message):
