@@ -61,7 +61,7 @@ def _check_choice(name, value, accepted):
         raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
     """An int, not a bool (True would pass isinstance(value, int) as one token)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -183,20 +183,20 @@ class QuantSpec:
             raise ValueError(f"rotate must be True or False, got {self.rotate!r}")
         if not isinstance(self.symmetric, bool):
             raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}")
-        if not _is_count(self.window) or self.window < 0:
+        if not is_count(self.window) or self.window < 0:
             raise ValueError(f"window must be an int >= 0 (tokens kept unquantized), got {self.window!r}")
         if not isinstance(self.clip, bool):
             raise ValueError(f"clip must be True or False, got {self.clip!r}")
         if self.clip and not self.symmetric:
             raise ValueError("clip=True needs symmetric=True; asymmetric groups span their min..max, use clip=False")
-        if not _is_count(self.refine) or self.refine < 0:
+        if not is_count(self.refine) or self.refine < 0:
             raise ValueError(f"refine must be an int >= 0 (newest tokens with a second code plane), got {self.refine!r}")
         if self.refine and (self.scheme != "token" or self.window):
             raise ValueError(
                 f"refine={self.refine} needs scheme='token' and window=0, got scheme={self.scheme!r}, "
                 f"window={self.window}: it refines quantized tokens, which those keep unquantized"
             )
-        if not _is_count(self.sinks) or self.sinks < 0:
+        if not is_count(self.sinks) or self.sinks < 0:
             raise ValueError(f"sinks must be an int >= 0 (first tokens kept unquantized), got {self.sinks!r}")
         if not isinstance(self.center, bool):
             raise ValueError(f"center must be True or False, got {self.center!r}")
@@ -408,6 +408,13 @@ class QuantSpec:
         head_dim 128, 16 at head_dim 80 (more scale overhead, but every head_dim works).
         """
         return math.gcd(self.group, head_dim)
+
+
+def check_spec(spec, name: str = "spec") -> None:
+    """Refuse anything but a :class:`QuantSpec` where one is taken, saying how to make one."""
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{name} must be a kvpass.QuantSpec, got {spec!r} ({type(spec).__name__}); "
+                        "QuantSpec.from_tag('int4:token:64:rot') reads a tag, kvpass.kv4(...).config.k is a backend's K")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

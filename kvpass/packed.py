@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from kvpass import ops, reference
 from kvpass.cpu_steps import storage_view
-from kvpass.config import WINDOW_BLOCK, QuantSpec
+from kvpass.config import WINDOW_BLOCK, QuantSpec, check_spec
 
 log = logging.getLogger("kvpass")
 aten = torch.ops.aten
@@ -183,6 +183,7 @@ class PackedKV(torch.Tensor):
         """Quantize ``x [B, H, S, D]``; with ``scheme="channel"`` the last ``S % group`` tokens wait unquantized.
         ``query [B, Hq, S, D]``: the queries reading ``x``, which fix a ``query_scaled`` spec's scales;
         ``pads`` and ``fills_pads``: as :meth:`append` takes them."""
+        check_spec(spec)
         if x.dim() != 4:
             raise ValueError(f"a KV cache tensor must be [B, H, S, D], got shape {tuple(x.shape)}")
         if not x.dtype.is_floating_point:
@@ -193,6 +194,7 @@ class PackedKV(torch.Tensor):
     @classmethod
     def zeros(cls, shape, dtype: torch.dtype, device, spec: QuantSpec) -> PackedKV:
         """A preallocated ``[B, H, S, D]`` cache of zeros (static caches), never materialised in fp."""
+        check_spec(spec)
         if spec.scheme != "token":
             raise ValueError(
                 f"a preallocated (static) cache needs per-token groups, got scheme={spec.scheme!r}; "

@@ -33,7 +33,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from kvpass.config import KVConfig, QuantSpec
+from kvpass.config import KVConfig, QuantSpec, check_spec, is_count
 from kvpass.packed import PackedKV
 
 
@@ -95,6 +95,9 @@ def _int4_layers(cache: StaticCache, k_spec: QuantSpec, v_spec: QuantSpec) -> No
 
 
 def _specs(k_spec: QuantSpec | None, v_spec: QuantSpec | None) -> tuple[QuantSpec, QuantSpec]:
+    for name, spec in (("k_spec", k_spec), ("v_spec", v_spec)):
+        if spec is not None:
+            check_spec(spec, name)
     default = KVConfig()
     return tuple(s.for_slots for s in (k_spec or default.k, v_spec or default.v))
 
@@ -104,6 +107,8 @@ class StaticKVCache(StaticCache):
 
     def __init__(self, config, max_cache_len: int, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None,
                  **kwargs):  # fmt: skip
+        if not is_count(max_cache_len) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be an int >= 1 (the tokens the cache holds), got {max_cache_len!r}")
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
         _int4_layers(self, *_specs(k_spec, v_spec))
 

@@ -269,6 +269,8 @@ def test_bad_input_is_named():
         PackedKV.from_float(torch.randn(4, 8), QuantSpec())
     with pytest.raises(ValueError, match="must be floating point, got torch.int64"):
         PackedKV.from_float(torch.zeros(1, 1, 2, 8, dtype=torch.long), QuantSpec())
+    with pytest.raises(TypeError, match=r"spec must be a kvpass.QuantSpec, got 'int4' \(str\); QuantSpec.from_tag"):
+        PackedKV.from_float(torch.randn(1, 1, 2, 8), "int4")
 
 
 # --- growth: appends write in place into spare rows -----------------------------------------

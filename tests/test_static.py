@@ -43,6 +43,18 @@ def test_buffers_are_int4_from_the_first_allocation():
     assert cache.layers[0].keys.dequantize()[:, :, :30].abs().max() > 0
 
 
+def test_bad_static_cache_arguments_are_named():
+    """HF's StaticCache takes them and fails at the first write, on a storage size or an index."""
+    config = build("llama").config
+    for length in (0, -1, 8.0):
+        with pytest.raises(ValueError, match=f"max_cache_len must be an int >= 1 .*, got {length}"):
+            StaticKVCache(config, max_cache_len=length)
+    with pytest.raises(TypeError, match="v_spec must be a kvpass.QuantSpec, got 'int4:token:64'"):
+        StaticKVCache(config, max_cache_len=8, v_spec="int4:token:64")
+    with pytest.raises(TypeError, match="k_spec must be a kvpass.QuantSpec, got 4"):
+        int4_static_caches(build("llama"), k_spec=4)
+
+
 def test_compiled_generate_rewrites_static_decode_and_matches_eager():
     torch._dynamo.reset()
     model = build("llama")
