@@ -1207,9 +1207,14 @@ def _fallback(func, args, kwargs):
     if not tracing:
         fallback_ops[name] += 1
         if fallback_ops[name] == 1:
+            needs_grad = torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            )  # fmt: skip
             log.warning(
                 "kvpass: %s has no int4 implementation; computing it on the dequantized cache (a kv4 cache read "
-                "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)", name
+                "outside a kv4-compiled graph: an uncompiled model, a graph break, or Dynamo's recompile_limit)%s",
+                name, "; its inputs need grad, which int4 attention keeps no record for: for inference, call the "
+                "model under torch.no_grad() or torch.inference_mode()" if needs_grad else "",
             )  # fmt: skip
 
     def plain(x):

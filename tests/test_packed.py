@@ -253,12 +253,15 @@ def test_sdpa_over_packed_inputs_compiles(backend):
     torch.testing.assert_close(out, attend(q, k.dequantize(), v.dequantize()), atol=1e-5, rtol=1e-5)
 
 
-def test_sdpa_whose_query_needs_a_gradient_takes_the_fallback():
+def test_sdpa_whose_query_needs_a_gradient_takes_the_fallback(caplog):
     """Training through a kv4 cache: the real kernel runs on the dequantized cache, so the backward
-    gets the logsumexp it needs."""
+    gets the logsumexp it needs. A model called for inference without ``torch.no_grad()`` takes this
+    path too, and the warning says how to leave it."""
     k, v = (PackedKV.from_float(torch.randn(1, 2, 20, 64), KVConfig().k) for _ in range(2))
     q = torch.randn(1, 2, 3, 64, requires_grad=True)
-    torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert "its inputs need grad" in caplog.text and "torch.no_grad()" in caplog.text
     expected = torch.randn(1, 2, 3, 64).copy_(q.detach()).requires_grad_()
     torch.nn.functional.scaled_dot_product_attention(expected, k.dequantize(), v.dequantize()).sum().backward()
     torch.testing.assert_close(q.grad, expected.grad)
