@@ -1,7 +1,8 @@
 """kvpass: int4 KV caches for Hugging Face causal LMs through ``torch.compile(backend="kv4")``.
 
 ``model.compile(backend="kv4")`` needs no import of this package (the backend is an entry
-point); import it for non-default settings: ``torch.compile(model, backend=kvpass.kv4(...))``.
+point), nor do other settings as ``torch.compile``'s options (``options={"bits": 8}``, any
+:func:`kv4` keyword); with it, ``torch.compile(model, backend=kvpass.kv4(bits=8))``.
 """
 
 from kvpass.backend import default_backend, kv4
