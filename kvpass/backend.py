@@ -100,6 +100,8 @@ def rewrite_then(inner_compiler, config: KVConfig):
         for site in sites:
             if site.left_fp16:
                 log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
+        if not kv4_compiler.fp16_warned:
+            kv4_compiler.fp16_warned = _warn_fp16_sites(name, sites)
         if debug.debug_requested(config.debug):
             debug.report(record.name, record.before, record.after, sites, config.debug_dir)
         return inner_compiler(gm, example_inputs, mode=mode, options=options)
@@ -107,7 +109,22 @@ def rewrite_then(inner_compiler, config: KVConfig):
     kv4_compiler.graphs = []
     kv4_compiler.config = config
     kv4_compiler.k_layers_checked = False
+    kv4_compiler.fp16_warned = False
     return kv4_compiler
+
+
+def _warn_fp16_sites(name: str, sites: list[passes.SiteReport]) -> bool:
+    """Warn, once a backend, that a graph's caches stay fp16 (INFO gives each site's reason, which a user
+    who compiled for int4 caches would otherwise never see). Whether it warned."""
+    left = [site for site in sites if site.left_fp16]
+    if not left:
+        return False
+    first = left[0]
+    log.warning("kvpass: %s keeps the caches of %d of its %d attention sites fp16; site %d (%s): %s. Each site's "
+                "reason is logged at INFO (logging.getLogger('kvpass')), and the backend's .graphs hold them; "
+                "this warning is not repeated for later graphs", name, len(left), sum(s.reads_cache for s in sites),
+                first.index, first.module, first.reason)  # fmt: skip
+    return True
 
 
 def _check_k_layers(config: KVConfig, earlier: list[CompiledGraph], sites: list[passes.SiteReport]) -> bool:

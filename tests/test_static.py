@@ -1,5 +1,8 @@
 """Static caches: int4 buffers from the first allocation, written in place, attended in int4."""
 
+import logging
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
@@ -271,7 +274,8 @@ def test_static_reads_with_tiled_heads_sinks_or_picked_v_heads_match_the_uncompi
     assert {site.phase for site in sites} == ({"prefill", "static"} if name == "gpt_oss" else {"static"})
 
 
-def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4():
+def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_int4(caplog):
+    """Said at WARNING, once: a user who compiled for int4 caches and logs nothing else learns they are not."""
     torch._dynamo.reset()
     model = build("llama")
     backend = kvpass.kv4()
@@ -279,11 +283,15 @@ def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_
     config = model.config
     cache = StaticCache(config, max_cache_len=64)
     cache.early_initialization(1, config.num_key_value_heads, config.head_dim, model.dtype, model.device)
-    model.generate(_prompt(), max_new_tokens=3, do_sample=False, **cache_arg(cache))
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        model.generate(_prompt(), max_new_tokens=3, do_sample=False, **cache_arg(cache))
     sites = [site for graph in backend.graphs for site in graph.sites]
-    assert sites and not any(site.rewritten for site in sites)
+    assert len(backend.graphs) == 2 and sites and not any(site.rewritten for site in sites)
     assert all("kvpass.StaticKVCache" in site.reason for site in sites)
     assert not isinstance(cache.layers[0].keys, PackedKV)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert re.match(r"kvpass: graph_\d+ keeps the caches of 2 of its 2 attention sites fp16; site 0 "
+                    r"\(model.layers.0.self_attn\): .*kvpass.StaticKVCache", warning)  # fmt: skip
 
 
 def _record_block_reads(monkeypatch) -> list[int]:
