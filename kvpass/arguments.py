@@ -116,4 +116,3 @@ def _listed(text: str, item, what: str) -> list:
     if not parts:
         raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
     return [item(part) for part in parts]
-

@@ -413,8 +413,8 @@ class QuantSpec:
 def check_spec(spec, name: str = "spec") -> None:
     """Refuse anything but a :class:`QuantSpec` where one is taken, saying how to make one."""
     if not isinstance(spec, QuantSpec):
-        raise TypeError(f"{name} must be a kvpass.QuantSpec, got {spec!r} ({type(spec).__name__}); "
-                        "QuantSpec.from_tag('int4:token:64:rot') reads a tag, kvpass.kv4(...).config.k is a backend's K")  # fmt: skip
+        raise TypeError(f"{name} must be a kvpass.QuantSpec, got {spec!r} ({type(spec).__name__}); QuantSpec."
+                        "from_tag('int4:token:64:rot') reads a tag, kvpass.kv4(...).config.k is a backend's K")
 
 
 @dataclasses.dataclass(frozen=True)
