@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import difflib
 import json
 import logging
 import math
@@ -723,6 +724,18 @@ def add_arguments(parser) -> None:
     )  # fmt: skip
 
 
+def _check_types(model_types: list[str]) -> None:
+    """Refuse a type no causal LM of transformers has before the run, which would report it as a row."""
+    import transformers
+
+    known = causal_lm_types()
+    unknown = {t: difflib.get_close_matches(t, known, n=3) for t in model_types if t not in known}
+    if unknown:
+        hints = "; ".join(f"{t!r}" + (f" (close: {', '.join(close)})" if close else "") for t, close in unknown.items())
+        raise ValueError(f"not a causal-LM model type of transformers {transformers.__version__}: {hints}; "
+                         "`kvpass coverage` with no types checks all of them")  # fmt: skip
+
+
 def run(args) -> int:
     from tqdm import tqdm
 
@@ -732,6 +745,7 @@ def run(args) -> int:
     if saved is not None:
         _check_updatable(saved)  # before the run, which may take an hour
     types = args.model_types or causal_lm_types()
+    _check_types(args.model_types)
     rows_file = rows_file_of(args.output)
     kv4_settings = {"k_query_rounded": True} if args.k_query_rounded else {}
     settings = {"head_dim": args.head_dim, "routes": args.routes, **kv4_settings}

@@ -257,6 +257,17 @@ def test_update_refuses_a_json_without_its_command_before_running_anything(tmp_p
     assert "does not name the command that made it" in capsys.readouterr().err
 
 
+def test_a_misspelt_model_type_is_refused_before_running_anything(tmp_path, monkeypatch, capsys):
+    """It was a row of the matrix ("no tiny model"), written over the page, and the exit status 0."""
+    monkeypatch.setattr(coverage, "_run_isolated", lambda *args: pytest.fail("ran a model type"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["coverage", "--output", str(tmp_path / "m.md"), "llama", "lama"])
+    assert exit_.value.code == 2
+    assert "not a causal-LM model type of transformers" in (err := capsys.readouterr().err)
+    assert "'lama' (close: llama" in err
+    assert not (tmp_path / "m.md").exists()
+
+
 def test_a_stopped_run_resumes_from_the_rows_it_wrote(tmp_path, monkeypatch, capsys):
     """An hour-long matrix stopped near its end keeps every row it had: ``--resume`` runs the rest."""
     monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))  # --head-dim sets it
