@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 from typing import Any
 
 _SUFFIXES = {"k": 2**10, "m": 2**20}
@@ -27,13 +28,12 @@ def nonnegative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """``'150'`` -> 150.0 (seconds, say); zero, negatives and NaN are refused."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    return _float_over(text, 0.0, "a positive number", inclusive=False)
+
+
+def nonnegative_float(text: str) -> float:
+    """``'0.25'`` -> 0.25 (a threshold in percent, which may be zero); negatives, infinities and NaN are refused."""
+    return _float_over(text, 0.0, "a finite number >= 0", inclusive=True)
 
 
 def tokens(text: str) -> int:
@@ -99,6 +99,16 @@ def kv4_setting(text: str) -> tuple[str, Any]:
         return name, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return name, value
+
+
+def _float_over(text: str, bound: float, what: str, inclusive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= bound if inclusive else value > bound) or (inclusive and math.isinf(value)):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
 
 
 def _int_at_least(text: str, least: int, what: str) -> int:

@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default="kjv", help="kjv (default), code, or a text file's path")
     parser.add_argument("--context", type=arguments.tokens, default=1024, help="tokens of the text (default 1024)")
     parser.add_argument("--chunk", type=arguments.positive_int, default=64, help="tokens fed per step (default 64)")
-    parser.add_argument("--threshold", type=float, default=0.25,
+    parser.add_argument("--threshold", type=arguments.nonnegative_float, default=0.25,
                         help="suggest int8 keys for layers costing more than this many percent (default 0.25)")
     parser.add_argument("--threads", type=arguments.positive_int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")

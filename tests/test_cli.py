@@ -253,6 +253,7 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["bench", "attention", "--warmup", "-1"], r"error: argument --warmup: expected an integer >= 0, got '-1'"),
         (["coverage", "--timeout", "nan"], r"kvpass coverage: error: argument --timeout: expected a positive number, got 'nan'"),
         (["sensitivity", "--context", "64", "--chunk", "64"], r"error: --chunk must be under --context 64, got 64"),
+        (["sensitivity", "--threshold", "-1"], r"error: argument --threshold: expected a finite number >= 0, got '-1'"),
         (["estimate", "--layers", "32", "--kv-heads", "0", "--head-dim", "128"],
          r"error: argument --kv-heads: expected a positive integer, got '0'"),
         (["demo", "--new-tokens", "1.5"], r"kvpass demo: error: argument --new-tokens: expected a positive integer, got '1.5'"),
@@ -293,10 +294,13 @@ def test_counts_take_the_forms_a_user_types():
     assert arguments.tokens("128K") == 131072 and arguments.tokens("1m") == 2**20
     assert arguments.token_list(" 512, 2K,") == [512, 2048]
     assert arguments.positive_int_list("1,4") == [1, 4] and arguments.nonnegative_int("0") == 0
+    assert arguments.nonnegative_float("0") == 0.0 and arguments.positive_float("1e3") == 1000.0
     letters = arguments.comma_list(arguments.one_of("ab", "letter"), "letters")
     assert letters(" a, b,") == ["a", "b"]
     for read, text in [(arguments.tokens, "0"), (arguments.tokens, "2.5K"), (arguments.positive_int, "-3"),
-                       (arguments.positive_float, "-inf"), (arguments.token_list, ""), (letters, "c")]:  # fmt: skip
+                       (arguments.positive_float, "-inf"), (arguments.positive_float, "0"),
+                       (arguments.nonnegative_float, "nan"), (arguments.nonnegative_float, "inf"),
+                       (arguments.nonnegative_float, "-0.1"), (arguments.token_list, ""), (letters, "c")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
             read(text)
 
