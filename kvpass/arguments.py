@@ -28,12 +28,18 @@ def nonnegative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """``'150'`` -> 150.0 (seconds, say); zero, negatives and NaN are refused."""
-    return _float_over(text, 0.0, "a positive number", inclusive=False)
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def nonnegative_float(text: str) -> float:
     """``'0.25'`` -> 0.25 (a threshold in percent, which may be zero); negatives, infinities and NaN are refused."""
-    return _float_over(text, 0.0, "a finite number >= 0", inclusive=True)
+    value = _float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def tokens(text: str) -> int:
@@ -101,14 +107,12 @@ def kv4_setting(text: str) -> tuple[str, Any]:
         return name, value
 
 
-def _float_over(text: str, bound: float, what: str, inclusive: bool) -> float:
+def _float(text: str) -> float:
+    """``float(text)``, or NaN where the text is no number (which every check refuses)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
-    if not (value >= bound if inclusive else value > bound) or (inclusive and math.isinf(value)):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-    return value
+        return math.nan
 
 
 def _int_at_least(text: str, least: int, what: str) -> int:
