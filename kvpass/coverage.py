@@ -695,11 +695,15 @@ def page_notes(page: Path) -> str:
     return text[len(title) : text.index(made_by)].strip()
 
 
+# The whole matrix's page, which a run of named types writes only as --update.
+DEFAULT_PAGE = "docs/coverage.md"
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("model_types", nargs="*", help="model types to check (default: every causal-LM type)")
     parser.add_argument("--timeout", type=arguments.positive_float, default=120.0, help="seconds per model type")
     parser.add_argument("--jobs", type=arguments.positive_int, default=2, help="model types checked at once")
-    parser.add_argument("--output", default="docs/coverage.md", help="markdown file to write")
+    parser.add_argument("--output", default=DEFAULT_PAGE, help=f"markdown file to write (default {DEFAULT_PAGE})")
     parser.add_argument("--json", help="also write the rows as JSON here")
     parser.add_argument(
         "--routes", action="store_true",
@@ -746,6 +750,10 @@ def run(args) -> int:
         _check_updatable(saved)  # before the run, which may take an hour
     types = args.model_types or causal_lm_types()
     _check_types(args.model_types)
+    if args.model_types and not args.update and args.output == DEFAULT_PAGE and Path(DEFAULT_PAGE).exists():
+        raise ValueError(f"{DEFAULT_PAGE} exists, and a run of named types would replace it with their rows "
+                         "alone: give --output PATH for a page of their own, or --update --json PATH to rerun them "
+                         "into it")  # fmt: skip
     rows_file = rows_file_of(args.output)
     kv4_settings = {"k_query_rounded": True} if args.k_query_rounded else {}
     settings = {"head_dim": args.head_dim, "routes": args.routes, **kv4_settings}

@@ -268,6 +268,20 @@ def test_a_misspelt_model_type_is_refused_before_running_anything(tmp_path, monk
     assert not (tmp_path / "m.md").exists()
 
 
+def test_named_types_leave_the_default_page_to_update(tmp_path, monkeypatch, capsys):
+    """``kvpass coverage llama`` in this checkout wrote a one-row page over the 197-row docs/coverage.md."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(coverage, "_run_isolated", lambda *args: pytest.fail("ran a model type"))
+    page = tmp_path / coverage.DEFAULT_PAGE
+    page.parent.mkdir()
+    page.write_text("the whole matrix")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["coverage", "llama"])
+    assert exit_.value.code == 2
+    assert "docs/coverage.md exists, and a run of named types would replace it" in capsys.readouterr().err
+    assert page.read_text() == "the whole matrix"
+
+
 def test_a_stopped_run_resumes_from_the_rows_it_wrote(tmp_path, monkeypatch, capsys):
     """An hour-long matrix stopped near its end keeps every row it had: ``--resume`` runs the rest."""
     monkeypatch.setattr(coverage, "TINY", dict(coverage.TINY))  # --head-dim sets it
