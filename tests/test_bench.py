@@ -81,6 +81,19 @@ def test_decode_grid_reports_ratios_to_fp():
     assert "x fp" in decode.format_table(rows)
 
 
+def test_decode_grid_gives_every_kv4_method_the_settings_asked_for():
+    """``--kv4-setting``: a setting of one's own timed, under each method's own (kv4-r0 keeps refine=0)."""
+    rows = decode.run_grid(["kv4", "kv4-r0"], [128], warmup=1, steps=2, sizes=TINY, chunk=64,
+                           kv4_settings={"v_bits": 8, "refine": 64})  # fmt: skip
+    torch._dynamo.reset()
+    by = {r["method"]: r for r in rows}
+    tokens = 128 + 1 + 2
+    # K as the default stores it, V in int8 (no second plane in kv4-r0): what `kvpass estimate` costs
+    for method, settings in (("kv4", {"v_bits": 8}), ("kv4-r0", {"v_bits": 8, "refine": 0})):
+        expected = kv_cache_bytes((1, 8, 128), "kv4", tokens, kv4_settings=settings)
+        assert by[method]["stored_bytes"] == expected, (method, by[method])
+
+
 def test_decode_grid_runs_the_model_it_is_given():
     """``--model``: the grid times the model handed in, not the benchmark model (its cache says so:
     2 layers of one KV head of 32 channels, fp32)."""

@@ -11,7 +11,8 @@ over a DynamicCache: Dynamo's own per-step overhead, without any kv4 rewrite), `
 (``torch.compile(model, backend=kvpass.kv4())``, default settings), ``kv4-qr`` (the same with
 ``k_query_rounded=True``), ``kv4-r0`` (the same with ``refine=0``: no second code plane),
 ``kv4-inductor`` (the same with ``inner="inductor"``: the rest of the model compiled by Inductor
-too), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager).
+too), ``quanto`` (HF ``QuantizedCache``, quanto int4, eager). ``--kv4-setting NAME=VALUE`` gives
+every kv4 method a ``kvpass.kv4`` keyword of one's own (``bits=8``), under the method's own.
 
 ``--fill fast`` (default) fills the kv4 cache eagerly in fp and packs it with
 ``PackedKV.from_float`` (what kv4's quantize-on-write stores, without kv4's slower CPU
@@ -138,13 +139,14 @@ def _error_row(method: str, ctx: int, batch: int, exc: Exception) -> dict:
     return dict(method=method, ctx=ctx, batch=batch, error=f"not run: {type(exc).__name__}: {first}"[:300])
 
 
-def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None,
-             chunk=256, progress=False, model=None, device="cpu", rounds=1) -> list[dict]:  # fmt: skip
+def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=torch.float32, sizes=None, chunk=256,
+             progress=False, model=None, device="cpu", rounds=1, kv4_settings=None) -> list[dict]:  # fmt: skip
     """The grid on ``model`` (default: the benchmark model of ``sizes``, :func:`kvpass.bench.build_model`),
     moved to ``device``. At each context every method is filled and warmed up, then each times its
     ``steps`` in ``rounds`` turns, the methods taking turns (in an order rotated every round): a
     machine's load that drifts over minutes then weighs on every method alike, not on whichever ran
-    while it was high."""
+    while it was high. ``kv4_settings``: ``kvpass.kv4`` keywords for every kv4 method, under each
+    method's own (``kv4-qr`` keeps its ``k_query_rounded=True``)."""
     from tqdm.auto import tqdm
 
     from kvpass import bench
@@ -160,7 +162,8 @@ def run_grid(methods, contexts, batch=1, warmup=3, steps=10, fill="fast", dtype=
     for ctx in contexts:
         # Every stepper before any fill: making a compiled one resets Dynamo, which would drop
         # another's graphs.
-        steppers = {m: bench.stepper(model, _HOW[m], _KV4_SETTINGS.get(m, {})) for m in methods}
+        steppers = {m: bench.stepper(model, _HOW[m], {**(kv4_settings or {}), **_KV4_SETTINGS.get(m, {})})
+                    for m in methods}  # fmt: skip
         runs, times, failed = {}, {m: [] for m in methods}, {}
         for method in methods:
             try:
@@ -238,10 +241,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--markdown", metavar="PATH")
     parser.add_argument("--no-progress", action="store_true")
+    arguments.add_kv4_settings(parser, "every kv4 method, under the method's own (kv4-qr keeps k_query_rounded)")
 
 
 def run(args) -> int:
     from kvpass import bench
+    from kvpass.backend import check_settings
     from kvpass.bench import memory
 
     if args.threads:
@@ -249,6 +254,8 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     contexts = args.contexts + ([16384] if args.long else [])
+    kv4_settings = dict(args.kv4_settings)
+    check_settings(kv4_settings, "kvpass bench decode")
     dtype = getattr(torch, args.dtype)
     model = None
     if args.model is not None:
@@ -258,13 +265,15 @@ def run(args) -> int:
     t0 = time.perf_counter()
     rows = run_grid(args.methods, contexts, args.batch, args.warmup, args.steps, args.fill, dtype,
                     dict(hidden=args.hidden, layers=args.layers), progress=not args.no_progress, model=model,
-                    device=args.device, rounds=args.rounds)  # fmt: skip
+                    device=args.device, rounds=args.rounds, kv4_settings=kv4_settings)  # fmt: skip
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
+    if kv4_settings:
+        print("\nkv4 methods with " + ", ".join(f"{name}={value!r}" for name, value in kv4_settings.items()))
     print(f"\n{version.cpu()}; {torch.get_num_threads()} threads")  # ratios differ from one CPU to another
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model, device=device,
                 threads=torch.get_num_threads(), torch=torch.__version__, allocator=memory.current_allocator(),
-                allocator_settings=memory.allocator_settings(), rows=rows)  # fmt: skip
+                allocator_settings=memory.allocator_settings(), kv4_settings=kv4_settings, rows=rows)  # fmt: skip
     bench.write_results(args, info, format_table(rows, markdown=True))
     return 0
