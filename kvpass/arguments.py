@@ -95,6 +95,11 @@ def add_kv4_settings(parser: argparse.ArgumentParser, what: str) -> None:
                         "k_defer_prefix=False or 'k_layer_bits={8: 8}' (repeatable)")  # fmt: skip
 
 
+def kv4_settings_text(settings: list[tuple[str, Any]]) -> str:
+    """``[('bits', 8)]`` -> ``'bits=8'``: settings as the keywords of a ``kvpass.kv4`` call."""
+    return ", ".join(f"{name}={value!r}" for name, value in settings)
+
+
 def kv4_setting(text: str) -> tuple[str, Any]:
     """``'k_prefix_tokens=512'`` -> ``('k_prefix_tokens', 512)``, a keyword argument of ``kvpass.kv4``
     and its value (a Python literal, else the text itself); the name is checked where it is used."""

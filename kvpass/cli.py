@@ -81,9 +81,8 @@ def run_demo(args) -> None:
     agreed = int(differs[0]) if len(differs) else len(new)
     source = f"models_zoo {args.model} ({model.config.model_type}, random weights)" if tokenizer is None else \
         f"{args.model} ({model.config.model_type})"
-    settings = ", ".join(f"{name}={value!r}" for name, value in args.kv4_settings)
     print(f"model: {source}, {args.prompt_tokens} prompt + {args.new_tokens} generated tokens, "
-          f"kvpass.kv4({settings})")  # fmt: skip
+          f"kvpass.kv4({arguments.kv4_settings_text(args.kv4_settings)})")  # fmt: skip
     # A cache still waiting for K's prefix (under 64 tokens) holds K exact and can be larger.
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, {size}), "

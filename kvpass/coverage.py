@@ -732,7 +732,7 @@ def _check_types(model_types: list[str]) -> None:
     """Refuse a type no causal LM of transformers has before the run, which would report it as a row."""
     import transformers
 
-    known = causal_lm_types()
+    known = causal_lm_types() if model_types else []
     unknown = {t: difflib.get_close_matches(t, known, n=3) for t in model_types if t not in known}
     if unknown:
         hints = "; ".join(f"{t!r}" + (f" (close: {', '.join(close)})" if close else "") for t, close in unknown.items())

@@ -269,7 +269,7 @@ def run(args) -> int:
     elapsed = time.perf_counter() - t0
     print(format_table(rows))
     if kv4_settings:
-        print("\nkv4 methods with " + ", ".join(f"{name}={value!r}" for name, value in kv4_settings.items()))
+        print(f"\nkv4 methods with {arguments.kv4_settings_text(args.kv4_settings)}")
     print(f"\n{version.cpu()}; {torch.get_num_threads()} threads")  # ratios differ from one CPU to another
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     info = dict(command=bench.command_line("decode"), elapsed_s=elapsed, dtype=args.dtype, model=args.model, device=device,
