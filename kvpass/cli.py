@@ -33,6 +33,9 @@ BENCHMARKS = {
     "append": ("kvpass.bench.append", "cost of appending one token to a cache against context length"),
     "attention": ("kvpass.bench.attention", "GPU decode-attention kernel time against the memory roofline"),
 }
+BENCH_HELP = f"benchmarks ({', '.join(BENCHMARKS)})"
+DESCRIPTION = ("kvpass stores Hugging Face models' KV caches in int4 through torch.compile(model, backend=\"kv4\"); "
+               "these commands show what it does to a model and measure it.")
 
 
 def _demo_arguments(parser):
@@ -159,16 +162,17 @@ def _load(module_name: str, command: str):
 
 
 def build_parser(lazy: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpass", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpass", description=DESCRIPTION,
+                                     epilog="kvpass COMMAND --help: a command's options")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what kvpass does (INFO)")
     parser.add_argument("--version", action="version", version=f"kvpass {version.describe()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub.add_parser(name, help=help_text).set_defaults(_module=module)
-    bench = sub.add_parser("bench", help="benchmarks (memory, decode, append, attention)")
+        sub.add_parser(name, help=help_text, description=help_text).set_defaults(_module=module)
+    bench = sub.add_parser("bench", help=BENCH_HELP, description=BENCH_HELP)
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
-        bench_sub.add_parser(name, help=help_text).set_defaults(_module=module)
+        bench_sub.add_parser(name, help=help_text, description=help_text).set_defaults(_module=module)
     return parser
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpass import arguments
+from kvpass import arguments, cli
 from kvpass.cli import main, parse
 from tests.helpers import benchmark_script, save_tiny_model
 
@@ -143,11 +143,13 @@ def test_python_dash_m_runs_the_subcommands_this_module_defines(command):
 
 
 @pytest.mark.parametrize("command", [["eval"], ["bench", "memory"], ["coverage"], ["sensitivity"]])
-def test_help_lists_the_subcommands_own_options(command, capsys):
+def test_help_says_what_the_subcommand_does_and_lists_its_own_options(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
     assert exit_info.value.code == 0
-    assert "--" in capsys.readouterr().out.split("options:")[-1]
+    out = capsys.readouterr().out
+    what = (cli.BENCHMARKS if command[0] == "bench" else cli.SUBCOMMANDS)[command[-1]][1]
+    assert what in " ".join(out.split()) and "--" in out.split("options:")[-1]
 
 
 def shell_commands(line: str) -> list[list[str]]:
