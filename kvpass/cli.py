@@ -33,6 +33,7 @@ BENCHMARKS = {
     "append": ("kvpass.bench.append", "cost of appending one token to a cache against context length"),
     "attention": ("kvpass.bench.attention", "GPU decode-attention kernel time against the memory roofline"),
 }
+DEMO_PROMPT_TOKENS = 300
 BENCH_HELP = f"benchmarks ({', '.join(BENCHMARKS)})"
 DESCRIPTION = ("kvpass stores Hugging Face models' KV caches in int4 through torch.compile(model, backend=\"kv4\"); "
                "these commands show what it does to a model and measure it.")
@@ -44,30 +45,54 @@ def _demo_arguments(parser):
         help=f"a models_zoo name (default: llama_hd128, random weights) or a model kvpass eval loads "
              f"({arguments.REAL_MODELS}), whose prompt and continuations are shown as text",
     )  # fmt: skip
-    parser.add_argument("--prompt-tokens", type=arguments.positive_int, default=300)
+    parser.add_argument("--prompt-tokens", type=arguments.positive_int,
+                        help=f"the prompt's length, its first tokens of --text (default: {DEMO_PROMPT_TOKENS})")
     parser.add_argument("--new-tokens", type=arguments.positive_int, default=40)
-    parser.add_argument("--text", help="a real model's prompt: kjv, code (the standard library's source; the "
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--text", help="a real model's prompt: kjv, code (the standard library's source; the "
                                        "default) or a file")  # fmt: skip
+    prompt.add_argument("--prompt", metavar="TEXT", help="a real model's prompt as given, all its tokens")
     arguments.add_kv4_settings(parser, "the kv4 run")
+
+
+def _demo_prompt_ids(args, text: str | None, model, tokenizer) -> torch.Tensor:
+    """``[1, S]`` prompt ids: random for a models_zoo model, else ``--prompt`` or the start of ``text``
+    (``--text``'s; the standard library's source when None)."""
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(2, model.config.vocab_size, (1, args.prompt_tokens or DEMO_PROMPT_TOKENS),
+                             generator=generator)  # fmt: skip
+    if args.prompt is not None:
+        if args.prompt_tokens is not None:
+            raise ValueError("--prompt-tokens takes the first tokens of --text; --prompt is used whole")
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise ValueError(f"--prompt {args.prompt!r} has no tokens")
+        return ids
+    from kvpass import text_data
+
+    want = args.prompt_tokens or DEMO_PROMPT_TOKENS
+    # A few characters a token: enough text, then exactly the tokens asked for.
+    ids = tokenizer((text or text_data.load("code"))[: 20 * want], return_tensors="pt").input_ids
+    if ids.shape[1] < want:
+        raise ValueError(f"--prompt-tokens {want} is more than the {ids.shape[1]} tokens of --text")
+    return ids[:, :want]
 
 
 @torch.no_grad()
 def run_demo(args) -> None:
     from kvpass import text_data
     from kvpass.debug import site_table
+    from kvpass.models_zoo import ZOO
+    from kvpass.packed import PackedKV
 
+    given = [name for name, value in (("--text", args.text), ("--prompt", args.prompt)) if value is not None]
+    if args.model in ZOO and given:
+        raise ValueError(f"{given[0]} is a real model's prompt; models_zoo {args.model} has random weights and no "
+                         "tokenizer")  # fmt: skip
+    text = None if args.text is None else text_data.load(args.text)  # refused before a real model's load
     model, tokenizer = _model_and_tokenizer(args.model)
-    if tokenizer is None and args.text is not None:
-        raise ValueError(f"--text is a real model's prompt; models_zoo {args.model} has random weights and no "
-                         "tokenizer")
-    if tokenizer is None:
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(2, model.config.vocab_size, (1, args.prompt_tokens), generator=generator)
-    else:  # a few characters a token: enough text, then exactly the tokens asked for
-        ids = tokenizer(text_data.load(args.text or "code")[: 20 * args.prompt_tokens], return_tensors="pt").input_ids
-        if ids.shape[1] < args.prompt_tokens:
-            raise ValueError(f"--prompt-tokens {args.prompt_tokens} is more than the {ids.shape[1]} tokens of --text")
-        ids = ids[:, : args.prompt_tokens]
+    ids = _demo_prompt_ids(args, text, model, tokenizer)
     fp_out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
     backend = _kv4(args)
     model.compile(backend=backend)
@@ -84,13 +109,17 @@ def run_demo(args) -> None:
     agreed = int(differs[0]) if len(differs) else len(new)
     source = f"models_zoo {args.model} ({model.config.model_type}, random weights)" if tokenizer is None else \
         f"{args.model} ({model.config.model_type})"
-    print(f"model: {source}, {args.prompt_tokens} prompt + {args.new_tokens} generated tokens, "
+    print(f"model: {source}, {ids.shape[1]} prompt + {args.new_tokens} generated tokens, "
           f"kvpass.kv4({arguments.kv4_settings_text(args.kv4_settings)})")  # fmt: skip
     # A cache still waiting for K's prefix (under 64 tokens) holds K exact and can be larger.
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, {size}), "
           "counted from the stored tensors")  # fmt: skip
     print(f"first layer keys: {cache.layers[0].keys!r}")
+    waiting = [layer.keys for layer in cache.layers if isinstance(layer.keys, PackedKV) and layer.keys.waiting]
+    if waiting:
+        print(f"K is held unquantized until a cache holds {waiting[0].spec.prefix_tokens} tokens, which fix its "
+              "sinks, offset and query scales: a longer prompt or more new tokens stores it in int4")  # fmt: skip
     # A graph per decode step would mean a length the graphs specialise on: say how many there were.
     print(f"kv4 generate: {seconds:.1f} s with compiling, {len(backend.graphs)} graphs compiled for "
           f"{args.new_tokens} generated tokens")  # fmt: skip

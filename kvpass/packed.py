@@ -245,7 +245,7 @@ class PackedKV(torch.Tensor):
         fills = first and fills_pads and pads is not None
         filled = reference.filled_pads(pads, new.shape[2]) if fills else self.filled_pads
         with _fake_dispatch_uncached(self.codes, new):
-            if self._waiting:
+            if self.waiting:
                 return _marked_growing(self._held_append(new, query, pads, filled))
             # Only a first append takes query scales: decode steps skip the energy.
             energy = None
@@ -398,8 +398,9 @@ class PackedKV(torch.Tensor):
         return None if self.query_energy is None else self.query_energy[:, :, :0]
 
     @property
-    def _waiting(self) -> bool:
-        """A ``defer_prefix`` cache that has quantized nothing yet: its appends hold the tokens."""
+    def waiting(self) -> bool:
+        """A ``defer_prefix`` cache that has quantized nothing yet: its appends hold the tokens unquantized
+        until it has ``spec.prefix_tokens``."""
         return self.spec.defer_prefix and self._is_empty
 
     @property
@@ -473,7 +474,7 @@ class PackedKV(torch.Tensor):
             f"{'' if self.query_scales is None else ', query-scaled'}"
             f"{f', rounded against the queries of appends of {self.spec.query_rounded}+ tokens' if self.spec.query_rounded else ''}"
             f"{', left padding filled with the first tokens' if self.filled_pads.shape[1] else ''}"
-            f"{', waiting for its prefix' if self._waiting else ''})"
+            f"{', waiting for its prefix' if self.waiting else ''})"
         )
 
     # --- tracing ------------------------------------------------------------------------

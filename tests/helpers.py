@@ -164,13 +164,13 @@ def hub_cache(root, monkeypatch, repo_id: str, commit: str = "0" * 40):
     return snapshot
 
 
-def save_tiny_model(directory) -> None:
+def save_tiny_model(directory, head_dim: int = 8) -> None:
     """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer (words split at spaces), as
     ``save_pretrained`` writes them."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    config = LlamaConfig(vocab_size=32, hidden_size=2 * head_dim, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(32)}

@@ -756,7 +756,7 @@ def test_a_sliding_window_shorter_than_k_prefix_tokens_is_named_where_k_would_wa
         for _ in range(10):  # to 100 tokens seen, 99 kept
             out = step(input_ids=_ids(1), **cache_arg(returned_cache(out)), use_cache=True)
         keys = returned_cache(out).layers[0].keys
-        assert keys._waiting == (prefix_tokens == 128) and keys.shape[2] == 99
+        assert keys.waiting == (prefix_tokens == 128) and keys.shape[2] == 99
         assert (note in backend.graphs[-1].sites[0].reason) == (prefix_tokens == 128)
 
 

@@ -70,9 +70,27 @@ def test_demo_on_a_users_own_model_shows_its_text(capsys, tmp_path):
     assert re.search(r"prompt ends: +'(t\d+ ){39}t\d+'", out)
     wrote = re.findall(r"(fp16|kv4) cache wrote: +'((?:t\d+ ?){6})'", out)
     assert [name for name, _ in wrote] == ["fp16", "kv4"]
+    assert "K is held unquantized" not in out
     with pytest.raises(SystemExit):  # more tokens than the text holds
         main(["demo", "--model", str(tmp_path / "model"), "--text", str(text), "--prompt-tokens", "300"])
     assert "--prompt-tokens 300 is more than the 200 tokens of --text" in capsys.readouterr().err
+
+
+def test_demo_takes_a_prompt_as_given_and_says_why_a_short_ones_k_is_not_int4_yet(capsys, tmp_path):
+    torch._dynamo.reset()
+    save_tiny_model(tmp_path / "model", head_dim=64)  # narrower heads hold no query scales to wait for
+    assert main(["demo", "--model", str(tmp_path / "model"), "--prompt", "t3 t5 t7", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(llama), 3 prompt + 4 generated tokens" in out and "prompt ends:      't3 t5 t7'" in out
+    assert "K is held unquantized until a cache holds 64 tokens" in out and "waiting for its prefix" in out
+    for argv, message in [
+        (["--prompt", "t3", "--prompt-tokens", "5"], "--prompt-tokens takes the first tokens of --text; --prompt is "),
+        (["--prompt", ""], "--prompt '' has no tokens"),
+        (["--text", "kjv", "--prompt", "t3"], "argument --prompt: not allowed with argument --text"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["demo", "--model", str(tmp_path / "model"), *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_estimate_reproduces_llama_3_figure(capsys):
@@ -260,6 +278,8 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
          r"error: argument --kv-heads: expected a positive integer, got '0'"),
         (["demo", "--new-tokens", "1.5"], r"kvpass demo: error: argument --new-tokens: expected a positive integer, got '1.5'"),
         (["demo", "--text", "kjv"], r"kvpass demo: error: --text is a real model's prompt; models_zoo llama_hd128 has "),
+        (["demo", "--prompt", "Hello"], r"kvpass demo: error: --prompt is a real model's prompt; models_zoo llama_hd128 "),
+        (["demo", "--model", "smollm2", "--text", "kjvv"], r"kvpass demo: error: unknown text 'kjvv': use one of "),
         (["eval", "--methods", "fp,kv4", "--against", "int8"],
          r"kvpass eval: error: --against 'int8' is not among --methods \['fp', 'kv4'\]"),
     ]:  # fmt: skip
