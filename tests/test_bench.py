@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvpass.bench import decode, memory
+from kvpass.cli import main
 from kvpass.config import KVConfig
 from kvpass.estimate import kv_cache_bytes
 
@@ -62,6 +63,25 @@ def test_memory_subprocess_and_table(tmp_path):
     assert "fp16" in table and "not run" in table
     memory.plot([row], str(tmp_path / "m.png"))
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_memory_gives_kv4_caches_the_settings_asked_for(capsys):
+    """``--kv4-setting``: the configuration's process stores what ``kvpass estimate`` costs for those
+    settings, layer numbers of ``k_layer_bits`` included (JSON alone would send them as strings). A
+    context of two chunks, the second short, compiles no graph while measured: the warm-up reached it."""
+    settings = {"v_bits": 8, "k_layer_bits": {0: 8}}
+    row = memory.measure_in_subprocess("kv4", ctx=300, batch=1, decode=2, chunk=256, sizes=TINY, timeout=120,
+                                       kv4_settings=settings)  # fmt: skip
+    assert "error" not in row, row
+    assert row["stored_bytes"] == kv_cache_bytes((1, 8, 128), "kv4", 300 + 2, k_layer_bits={0: 8},
+                                                 kv4_settings={"v_bits": 8})  # fmt: skip
+    assert row["stored_bytes"] > kv_cache_bytes((1, 8, 128), "kv4", 300 + 2)
+    assert row["graphs_compiled"] == 0
+    for setting, message in [("bitz=8", "kv4 settings ['bitz'] are not kvpass.kv4 settings"),
+                             ("bits=3", "bits must be one of [2, 4, 8], got 3")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["bench", "memory", "--contexts", "64", "--kv4-setting", setting])
+        assert message in capsys.readouterr().err
 
 
 def test_decode_grid_reports_ratios_to_fp():

@@ -20,6 +20,7 @@ configurations' processes.
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import ctypes.util
 import json
@@ -142,8 +143,10 @@ def _resident_baseline_mib() -> float | None:
         return None
 
 
-def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256, sizes: dict | None = None) -> dict:
-    """One configuration, measured in this process (call it in a fresh one for a clean peak)."""
+def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256, sizes: dict | None = None,
+            kv4_settings: dict | None = None) -> dict:  # fmt: skip
+    """One configuration, measured in this process (call it in a fresh one for a clean peak);
+    ``kv4_settings``: ``kvpass.kv4`` keywords for a kv4 cache."""
     import gc
 
     import torch
@@ -153,12 +156,14 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
 
     dtype, how = bench.CACHES[cache]
     model = bench.build_model(dtype, **(sizes or {}))
-    step, new_cache = bench.stepper(model, how)
+    step, new_cache = bench.stepper(model, how, kv4_settings)
     vocab = model.config.vocab_size
     # Warm-up: every graph kind (first chunk, second chunk, dynamic chunks, the last shorter chunk,
     # decode steps) at the measured sizes, so no graph compiles while measuring: Dynamo's memory
     # would count as the cache's (64-token warm-up chunks left two graphs to the 16K fill of 256-token ones).
-    warm = bench.fill(step, new_cache(), batch, 3 * chunk + ctx % chunk, chunk=chunk, vocab=vocab)
+    # A context of under three chunks is filled as measured: its chunks come in another order (a short one
+    # second, or none after the first), and its decode steps follow them.
+    warm = bench.fill(step, new_cache(), batch, min(ctx, 3 * chunk + ctx % chunk), chunk=chunk, vocab=vocab)
     for _ in range(3):
         warm = bench.decode_step(step, warm, batch)
     del warm
@@ -188,10 +193,13 @@ def measure(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
 
 def measure_in_subprocess(cache: str, ctx: int, batch: int, decode: int = 8, chunk: int = 256,
                           sizes: dict | None = None, timeout: float | None = None,
-                          allocator: str | None = None) -> dict:  # fmt: skip
+                          allocator: str | None = None, kv4_settings: dict | None = None) -> dict:  # fmt: skip
     """:func:`measure` in a fresh process; ``allocator``: one of :data:`PRELOADABLE_ALLOCATORS`,
     preloaded there (None: the environment's own)."""
-    job = json.dumps(dict(cache=cache, ctx=ctx, batch=batch, decode=decode, chunk=chunk, sizes=sizes))
+    # Settings as Python literals: JSON would turn k_layer_bits' layer numbers into strings.
+    settings = {name: repr(value) for name, value in (kv4_settings or {}).items()}
+    job = json.dumps(dict(cache=cache, ctx=ctx, batch=batch, decode=decode, chunk=chunk, sizes=sizes,
+                          kv4_settings=settings))  # fmt: skip
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if allocator is not None:
         env["LD_PRELOAD"] = " ".join(filter(None, (preload(allocator), env.get("LD_PRELOAD"))))
@@ -284,13 +292,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="PATH", help="write the table and command here")
     parser.add_argument("--plot", metavar="PNG", help="plot memory against context here")
     parser.add_argument("--no-progress", action="store_true")
+    arguments.add_kv4_settings(parser, "the kv4 caches")
 
 
 def run(args) -> int:
     from tqdm.auto import tqdm
 
     from kvpass import bench
+    from kvpass.backend import check_settings, kv4
 
+    kv4_settings = dict(args.kv4_settings)
+    check_settings(kv4_settings, "kvpass bench memory")
+    kv4(**kv4_settings)  # a bad value refused here, not in each configuration's process
     contexts = args.contexts + ([16384] if args.long else [])
     sizes = dict(hidden=args.hidden, layers=args.layers)
     if args.allocator is not None:
@@ -299,15 +312,18 @@ def run(args) -> int:
     t0 = time.perf_counter()
     jobs = [(cache, batch, ctx) for cache in args.caches for batch in args.batches for ctx in contexts]
     for cache, batch, ctx in (bar := tqdm(jobs, disable=args.no_progress, file=sys.stderr, desc="memory")):
-        row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout, args.allocator)
+        row = measure_in_subprocess(cache, ctx, batch, args.decode, args.chunk, sizes, args.timeout, args.allocator,
+                                    kv4_settings)  # fmt: skip
         rows.append(row)
         bar.write(f"  {cache} batch {batch} ctx {ctx}: " + (row.get("error") or
                   f"{row['bytes_per_token']:,.0f} B/token ({row['ratio_fp16']:.3f}x fp16), "
                   f"peak {row['peak_rss_mib']:,.0f} MiB"), file=sys.stderr)  # fmt: skip
     elapsed = time.perf_counter() - t0
-    table = format_table(rows)
-    print(table)
-    info = dict(command=bench.command_line("memory"), elapsed_s=elapsed, sizes=sizes, rows=rows)
+    print(format_table(rows))
+    if kv4_settings:
+        print(f"\nkv4 caches with {arguments.kv4_settings_text(args.kv4_settings)}")
+    info = dict(command=bench.command_line("memory"), elapsed_s=elapsed, sizes=sizes, kv4_settings=kv4_settings,
+                rows=rows)  # fmt: skip
     bench.write_results(args, info, format_table(rows, markdown=True))
     if args.plot:
         plot(rows, args.plot)
@@ -316,7 +332,8 @@ def run(args) -> int:
 
 def _worker(job: str) -> None:
     spec = json.loads(job)
-    print(json.dumps(measure(**spec)), flush=True)
+    settings = {name: ast.literal_eval(value) for name, value in spec.pop("kv4_settings").items()}
+    print(json.dumps(measure(**spec, kv4_settings=settings)), flush=True)
 
 
 if __name__ == "__main__":
