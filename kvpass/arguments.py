@@ -88,11 +88,16 @@ def one_of(known, what: str):
     return name
 
 
-def add_kv4_settings(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--kv4-setting NAME=VALUE``, repeatable, into ``args.kv4_settings``: ``kvpass.kv4`` keywords for ``what``."""
+def add_kv4_settings(parser: argparse.ArgumentParser, what: str, taken: tuple[str, ...] = ()) -> None:
+    """``--kv4-setting NAME=VALUE``, repeatable, into ``args.kv4_settings``: ``kvpass.kv4`` keywords for ``what``;
+    the help's examples leave out those ``taken`` by the command's own options."""
+    examples = [text for name, text in _KV4_EXAMPLES.items() if name not in taken]
     parser.add_argument("--kv4-setting", dest="kv4_settings", type=kv4_setting, action="append", default=[],
-                        metavar="NAME=VALUE", help=f"a kvpass.kv4 keyword argument for {what}, e.g. bits=8, "
-                        "k_defer_prefix=False or 'k_layer_bits={8: 8}' (repeatable)")  # fmt: skip
+                        metavar="NAME=VALUE", help=f"a kvpass.kv4 keyword argument for {what}, e.g. "
+                        f"{', '.join(examples[:-1])} or {examples[-1]} (repeatable)")  # fmt: skip
+
+
+_KV4_EXAMPLES = {"bits": "bits=8", "k_defer_prefix": "k_defer_prefix=False", "k_layer_bits": "'k_layer_bits={8: 8}'"}
 
 
 def kv4_settings_text(settings: list[tuple[str, Any]]) -> str:

@@ -812,7 +812,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LAYER:BITS",
         help="kv4 K bits in chosen layers, as kvpass.kv4(k_layer_bits=...) stores them: 11:8 13:8",
     )
-    arguments.add_kv4_settings(parser, "the kv4 column (not k_group, v_group or k_layer_bits, options of their own)")
+    arguments.add_kv4_settings(parser, "the kv4 column (not k_group, v_group or k_layer_bits, options of their own)",
+                               taken=_OWN_KV4_OPTIONS)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -170,6 +170,17 @@ def test_help_says_what_the_subcommand_does_and_lists_its_own_options(command, c
     assert what in " ".join(out.split()) and "--" in out.split("options:")[-1]
 
 
+def test_kv4_setting_examples_are_settings_the_command_takes(capsys):
+    for command, has_layer_bits in ((["estimate"], False), (["demo"], True)):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        help_text = " ".join(capsys.readouterr().out.split("--kv4-setting NAME=VALUE\n")[-1].split())
+        assert "bits=8" in help_text and ("'k_layer_bits={8: 8}'" in help_text) == has_layer_bits, help_text
+    with pytest.raises(SystemExit):  # estimate's own --k-layer-bits sets it
+        main(["estimate", "--model", "llama", "--kv4-setting", "k_layer_bits={8: 8}"])
+    assert "kv4 settings ['k_layer_bits'] are not kvpass.kv4 settings" in capsys.readouterr().err
+
+
 def shell_commands(line: str) -> list[list[str]]:
     """The words of each command in a shell line, split at ``&&``, ``|`` and ``;`` written apart (as the
     docs write them), each up to a redirection."""
