@@ -102,7 +102,7 @@ def rewrite_then(inner_compiler, config: KVConfig):
                 log.info("kvpass: %s site %d (%s) stays fp16: %s", name, site.index, site.module, site.reason)
         if not kv4_compiler.fp16_warned:
             kv4_compiler.fp16_warned = _warn_fp16_sites(name, sites)
-        if debug.debug_requested(config.debug):
+        if debug.debug_requested(config.debug, config.debug_dir):
             debug.report(record.name, record.before, record.after, sites, config.debug_dir)
         return inner_compiler(gm, example_inputs, mode=mode, options=options)
 
@@ -266,7 +266,8 @@ def kv4(
     decode step): the backend sees graphs, not the model. ``inner`` is the compiler the
     rewritten graph goes to: ``"eager"`` (cheapest to compile), ``"aot_eager"`` or
     ``"inductor"``. ``debug`` logs each graph's diff and site table through the ``kvpass``
-    logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` also saves them there.
+    logger (as does ``KVPASS_DEBUG=1``); ``debug_dir`` (or ``KVPASS_DEBUG_DIR``) saves them as files there
+    too, with ``debug`` or without.
     Raises ``ValueError`` naming any setting outside what is accepted.
     """
     k_symmetric = symmetric if k_symmetric is None else k_symmetric

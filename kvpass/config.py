@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Literal
 
 import torch
@@ -444,6 +445,9 @@ class KVConfig:
         _check_choice("inner", self.inner, INNER_COMPILERS)
         if not isinstance(self.debug, bool):
             raise ValueError(f"debug must be True or False, got {self.debug!r}")
+        if self.debug_dir is not None and not isinstance(self.debug_dir, (str, os.PathLike)):
+            raise ValueError(f"debug_dir must be a folder's path (a str or os.PathLike) or None, got "
+                             f"{self.debug_dir!r}")  # fmt: skip
         if self.v.query_rounded:
             raise ValueError("v.query_rounded=True is not supported: only K's cache writes are handed their queries")
         if self.v.scheme == "channel":

@@ -34,8 +34,10 @@ def _short_name(match: re.Match) -> str:
     return name
 
 
-def debug_requested(option: bool) -> bool:
-    return option or os.environ.get(_DEBUG_ENV, "") not in ("", "0")
+def debug_requested(option: bool, save_dir: str | None = None) -> bool:
+    """Whether to report each graph: ``option`` or ``KVPASS_DEBUG`` asks for it, and so does a folder to save
+    it in (``save_dir`` or ``KVPASS_DEBUG_DIR``)."""
+    return bool(option or save_dir or os.environ.get(_DEBUG_DIR_ENV)) or os.environ.get(_DEBUG_ENV, "") not in ("", "0")
 
 
 def normalize_graph_code(gm: fx.GraphModule) -> str:

@@ -431,6 +431,20 @@ def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, mo
     assert (tmp_path / f"{backends[0].graphs[0].name}.diff").read_text() == backends[0].graphs[0].diff
 
 
+def test_a_debug_folder_alone_saves_each_graph_and_a_bad_one_is_refused(tmp_path, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.delenv("KVPASS_DEBUG", raising=False)
+    monkeypatch.delenv("KVPASS_DEBUG_DIR", raising=False)
+    backend = kvpass.kv4(debug_dir=tmp_path / "graphs")  # an os.PathLike, debug left off
+    model = kv_heavy_llama(layers=1)
+    model.compile(backend=backend)
+    model.generate(_ids(10), max_new_tokens=2, do_sample=False)
+    saved = sorted(p.name for p in (tmp_path / "graphs").glob("*.diff"))
+    assert saved == sorted(f"{g.name}.diff" for g in backend.graphs)
+    with pytest.raises(ValueError, match=r"debug_dir must be a folder's path \(a str or os.PathLike\) or None, got 1"):
+        kvpass.kv4(debug_dir=1)
+
+
 # inductor compiles C++ on CPU: about 20 s on 2 cores, worth it for the default GPU inner compiler.
 # (aot_eager, the same AOT graphs without code generation, runs in tests/test_static.py.)
 @torch.no_grad()

@@ -27,6 +27,18 @@ def test_explain_prints_site_tables_and_diffs(capsys):
     assert "-    attn_output = torch._C._nn.scaled_dot_product_attention(" in out
 
 
+def test_explain_save_writes_each_graphs_files(capsys, tmp_path, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.delenv("KVPASS_DEBUG", raising=False)
+    monkeypatch.delenv("KVPASS_DEBUG_DIR", raising=False)
+    assert main(["explain", "qwen2", "--save", str(tmp_path)]) == 0
+    names = re.findall(r"===== (graph_\d+)", capsys.readouterr().out)
+    assert len(names) == 2
+    for ending in ("before.py", "after.py", "diff", "sites.txt"):
+        assert sorted(p.name for p in tmp_path.glob(f"*.{ending}")) == sorted(f"{name}.{ending}" for name in names)
+    assert "kv4_decode" in (tmp_path / f"{names[1]}.diff").read_text()
+
+
 def test_explain_takes_a_users_own_model(capsys, tmp_path):
     # a save_pretrained directory, as kvpass eval loads it: what kv4 does to a model of one's own
     torch._dynamo.reset()
