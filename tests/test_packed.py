@@ -952,7 +952,7 @@ def test_a_deferred_prefix_keeps_every_cache_from_64_tokens_on_under_the_sweeps_
                 for spec, query in zip(specs, (q, None)))  # fmt: skip
         while k.shape[2] < 130:
             waiting = k.shape[2] < PREFIX_MIN_TOKENS
-            assert k._waiting == waiting and k.n_head == (0 if waiting else 4)
+            assert k.waiting == waiting and k.n_head == (0 if waiting else 4)
             if waiting:
                 assert k.stored_bytes() == k.numel() * 2 + 2 * head_dim * 8
             else:
@@ -1007,7 +1007,7 @@ def test_a_waiting_cache_is_read_reordered_cropped_moved_and_saved_as_held():
     order = torch.tensor([1, 1])
     for moved, read in ((p[order], p.dequantize()[order]), (p[:, :, :30], p.dequantize()[:, :, :30]),
                         (p.to(torch.float16), p.dequantize().half())):  # fmt: skip
-        assert moved._waiting and moved.query_energy.shape[2] == 1
+        assert moved.waiting and moved.query_energy.shape[2] == 1
         torch.testing.assert_close(moved.dequantize(), read, rtol=0, atol=1e-2 if moved.dtype == torch.float16 else 0)
     assert torch.equal(p[order].query_energy, p.query_energy[order])
     buffer = io.BytesIO()
@@ -1079,11 +1079,11 @@ def test_prefix_tokens_set_the_tokens_k_statistics_come_from_and_how_long_a_defe
     p = PackedKV.from_float(x[:, :, :0], LONG_PREFIX)
     for start in range(0, 150, 50):  # 0-49, 50-99, 100-149 held
         p = p.append(x[:, :, start : start + 50], q[:, :, start : start + 50])
-        assert p._waiting and p.codes.shape[2] == 0 and p.stored_bytes() == p.numel() * 2 + 2 * 2 * 64 * 8
+        assert p.waiting and p.codes.shape[2] == 0 and p.stored_bytes() == p.numel() * 2 + 2 * 2 * 64 * 8
     held = p.dequantize()
     p = p.append(x[:, :, 150:170], q[:, :, 150:170])
     expected = PackedKV.from_float(torch.cat([held, x[:, :, 150:170]], 2), LONG_PREFIX, q[:, :, :170])
-    assert not p._waiting and p.n_head == 4
+    assert not p.waiting and p.n_head == 4
     for name in p.__tensor_flatten__()[0]:
         assert torch.equal(getattr(p, name), getattr(expected, name)), name
 
