@@ -23,8 +23,9 @@ class CompiledGraph:
     """One graph the backend rewrote: its normalised code before and after, and its sites."""
 
     name: str
-    before: str
-    after: str
+    # Out of the repr: a printed .graphs list would be pages of code (.diff shows what changed).
+    before: str = dataclasses.field(repr=False)
+    after: str = dataclasses.field(repr=False)
     sites: list[passes.SiteReport]
 
     @property

@@ -429,6 +429,8 @@ def test_debug_env_logs_diff_and_site_table_and_saves_files(tmp_path, caplog, mo
     for ending in ("before.py", "after.py", "diff", "sites.txt"):
         assert sorted(p.name for p in tmp_path.glob(f"*.{ending}")) == sorted(f"{name}.{ending}" for name in names)
     assert (tmp_path / f"{backends[0].graphs[0].name}.diff").read_text() == backends[0].graphs[0].diff
+    shown = repr(backends[1].graphs)  # names and sites; the code is .before/.after, too long to print
+    assert "def forward" not in shown and "module='model.layers.1.self_attn'" in shown
 
 
 def test_a_debug_folder_alone_saves_each_graph_and_a_bad_one_is_refused(tmp_path, monkeypatch):
