@@ -105,6 +105,16 @@ def kv4_settings_text(settings: list[tuple[str, Any]]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in settings)
 
 
+def kv4_settings_as_literals(settings: dict) -> dict[str, str]:
+    """``settings`` with each value as its Python literal, for a subprocess's JSON (which would turn
+    ``k_layer_bits``' layer numbers into strings); :func:`kv4_settings_from_literals` reads them back."""
+    return {name: repr(value) for name, value in settings.items()}
+
+
+def kv4_settings_from_literals(literals: dict[str, str]) -> dict:
+    return {name: ast.literal_eval(text) for name, text in literals.items()}
+
+
 def kv4_setting(text: str) -> tuple[str, Any]:
     """``'k_prefix_tokens=512'`` -> ``('k_prefix_tokens', 512)``, a keyword argument of ``kvpass.kv4``
     and its value (a Python literal, else the text itself); the name is checked where it is used."""

@@ -409,8 +409,10 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
             latent = any(t.spec == defaults.v.for_head_dim(t.shape[-1]) != defaults.k.for_head_dim(t.shape[-1])
                          for t in keys)  # fmt: skip
             twin_k = k_spec_as_stored(defaults.v if latent else defaults.k, keys)
+            # A latent cache is stored with V's settings in every layer, k_layer_bits' too.
+            twin_layers = {} if latent else {layer: k_spec_as_stored(spec, keys) for layer, spec in defaults.k_layers}
             try:
-                expected = _twin_logits(model, ids, nxt, twin_k, defaults.v)
+                expected = _twin_logits(model, ids, nxt, twin_k, defaults.v, twin_layers)
             except QueriesNotObserved:
                 # Attention outside transformers' AttentionInterface hands the twin no queries: check
                 # kv4's numbers without what it takes from them (its sites and bytes above are the default's).
@@ -421,7 +423,8 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
                 check_step(input_ids=ids, **cache_arg(check), use_cache=True)
                 got = check_step(input_ids=nxt, **cache_arg(check), use_cache=True).logits
                 expected = _twin_logits(model, ids, nxt, unscaled.config.v if latent else unscaled.config.k,
-                                        unscaled.config.v)  # fmt: skip
+                                        unscaled.config.v,
+                                        {} if latent else dict(unscaled.config.k_layers))  # fmt: skip
             # generate's graphs from a fresh Dynamo, as in a process of its own: the steps above recompiled
             # frames generate shares (longcat_flash's reached Dynamo's recompile_limit, and generate ran eagerly).
             torch._dynamo.reset()
@@ -464,11 +467,11 @@ def check_one(model_type: str, routes: bool = False, settings: dict | None = Non
     }
 
 
-def _twin_logits(model, ids, nxt, k_spec, v_spec):
+def _twin_logits(model, ids, nxt, k_spec, v_spec, k_layer_specs):
     """The decode step's logits over :class:`kvpass.simulate.SimulatedKVCache` after prompt ``ids``."""
     from kvpass.simulate import SimulatedKVCache, observed_queries
 
-    reference = SimulatedKVCache(model.config, k_spec, v_spec)
+    reference = SimulatedKVCache(model.config, k_spec, v_spec, k_layer_specs=k_layer_specs)
     with observed_queries():
         model(input_ids=ids, **cache_arg(reference), use_cache=True)
         return model(input_ids=nxt, **cache_arg(reference), use_cache=True).logits
@@ -570,7 +573,8 @@ def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool =
     try:
         done = subprocess.run(
             [sys.executable, "-m", "kvpass.coverage", "--one", model_type, "--head-dim", str(head_dim),
-             "--settings", json.dumps(settings or {}), *(["--routes"] if routes else [])],
+             "--settings", json.dumps(arguments.kv4_settings_as_literals(settings or {})),
+             *(["--routes"] if routes else [])],
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -726,6 +730,7 @@ def add_arguments(parser) -> None:
         help="check kvpass.kv4(k_query_rounded=True) instead of the default (K's codes rounded against every "
         "append's queries, where the default rounds appends of 64 tokens or more)",
     )  # fmt: skip
+    arguments.add_kv4_settings(parser, "the backend each type is checked with")
 
 
 def _check_types(model_types: list[str]) -> None:
@@ -743,6 +748,11 @@ def _check_types(model_types: list[str]) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
+    from kvpass.backend import check_settings, kv4
+
+    kv4_settings = {**dict(args.kv4_settings), **({"k_query_rounded": True} if args.k_query_rounded else {})}
+    check_settings(kv4_settings, "kvpass coverage")
+    kv4(**kv4_settings)  # a bad value refused here, not in every type's row
     if args.update and not (args.json and args.model_types):
         raise ValueError("--update reruns the named model types into an existing --json file: give both")
     saved = json.loads(Path(args.json).read_text()) if args.update else None
@@ -755,8 +765,8 @@ def run(args) -> int:
                          "alone: give --output PATH for a page of their own, or --update --json PATH to rerun them "
                          "into it")  # fmt: skip
     rows_file = rows_file_of(args.output)
-    kv4_settings = {"k_query_rounded": True} if args.k_query_rounded else {}
-    settings = {"head_dim": args.head_dim, "routes": args.routes, **kv4_settings}
+    # Values as literals, as the rows file's JSON compares them on --resume.
+    settings = {"head_dim": args.head_dim, "routes": args.routes, **arguments.kv4_settings_as_literals(kv4_settings)}
     rows = [r for r in rows_so_far(rows_file, settings) if r["model_type"] in types] if args.resume else []
     set_head_dim(args.head_dim)
     if rows:
@@ -793,7 +803,7 @@ if __name__ == "__main__":
     one = argparse.ArgumentParser()
     one.add_argument("--one", required=True)
     one.add_argument("--head-dim", type=int, required=True)
-    one.add_argument("--settings", type=json.loads, default={})
+    one.add_argument("--settings", type=lambda text: arguments.kv4_settings_from_literals(json.loads(text)), default={})
     one.add_argument("--routes", action="store_true")
     one_args = one.parse_args()
     logging.basicConfig(level=logging.ERROR)

@@ -315,14 +315,15 @@ def observed_queries():
 
 class SimulatedKVCache(DynamicCache):
     """``k_spec``/``v_spec``: how K/V are stored (None: exact); ``layers``: the indices of the cache
-    layers simulated (default: every attention layer), the others exact.
+    layers simulated (default: every attention layer), the others exact; ``k_layer_specs``: K's spec in
+    the cache layers it names, in place of ``k_spec`` (``kvpass.kv4(k_layer_bits=...)``'s layers).
 
     A K spec that defers its prefix (``QuantSpec.defer_prefix``) keeps a sliding window shorter than
     ``spec.prefix_tokens`` exact for good, as kv4 does."""
 
     def __init__(
         self, config, k_spec: QuantSpec | None, v_spec: QuantSpec | None, fp_tokens: FpTokens | None = None,
-        layers: Collection[int] | None = None,
+        layers: Collection[int] | None = None, k_layer_specs: dict[int, QuantSpec] | None = None,
     ):  # fmt: skip
         super().__init__(config=config)
         if fp_tokens is None:  # what kv4 itself keeps fp: the specs' window
@@ -335,8 +336,9 @@ class SimulatedKVCache(DynamicCache):
         fills_pads = all(spec is None or spec.tokens_apart for spec in (k_spec, v_spec))
         for index, layer in enumerate(self.layers):
             if isinstance(layer, DynamicLayer) and (layers is None or index in layers):
+                layer_k_spec = (k_layer_specs or {}).get(index, k_spec)
                 layer.update = functools.partial(
-                    _simulated_update, layer.update, k_spec, v_spec, fp_tokens, fills_pads, {}
+                    _simulated_update, layer.update, layer_k_spec, v_spec, fp_tokens, fills_pads, {}
                 )
 
 

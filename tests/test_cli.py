@@ -296,6 +296,7 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         (["bench", "attention", "--warmup", "-1"], r"error: argument --warmup: expected an integer >= 0, got '-1'"),
         (["coverage", "--timeout", "nan"], r"kvpass coverage: error: argument --timeout: expected a positive number, got 'nan'"),
         (["sensitivity", "--context", "64", "--chunk", "64"], r"error: --chunk must be under --context 64, got 64"),
+        (["coverage", "gpt2", "--kv4-setting", "bits=3"], r"kvpass coverage: error: bits must be one of \[2, 4, 8\], got 3"),
         (["sensitivity", "--threshold", "-1"], r"error: argument --threshold: expected a finite number >= 0, got '-1'"),
         (["estimate", "--layers", "32", "--kv-heads", "0", "--head-dim", "128"],
          r"error: argument --kv-heads: expected a positive integer, got '0'"),

@@ -173,7 +173,8 @@ def test_a_type_whose_steps_read_the_cache_dequantized_is_a_finding_not_a_rewrit
 
 
 def test_settings_reach_the_checked_model_type_through_its_subprocess():
-    row = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": True})
+    # k_layer_bits' layer numbers reach it as ints (JSON alone would make them strings, which kv4 refuses).
+    row = coverage._run_isolated("gpt2", 300, 32, settings={"k_query_rounded": True, "k_layer_bits": {0: 8}})
     assert row["status"] == "rewritten" and row["logits_error"] < 1e-5, row
     # gpt2 goes through AttentionInterface: kv4 with query rounding agrees with its rounding twin.
     assert "checked without" not in row["reason"]

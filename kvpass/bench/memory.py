@@ -20,7 +20,6 @@ configurations' processes.
 from __future__ import annotations
 
 import argparse
-import ast
 import ctypes
 import ctypes.util
 import json
@@ -196,10 +195,8 @@ def measure_in_subprocess(cache: str, ctx: int, batch: int, decode: int = 8, chu
                           allocator: str | None = None, kv4_settings: dict | None = None) -> dict:  # fmt: skip
     """:func:`measure` in a fresh process; ``allocator``: one of :data:`PRELOADABLE_ALLOCATORS`,
     preloaded there (None: the environment's own)."""
-    # Settings as Python literals: JSON would turn k_layer_bits' layer numbers into strings.
-    settings = {name: repr(value) for name, value in (kv4_settings or {}).items()}
     job = json.dumps(dict(cache=cache, ctx=ctx, batch=batch, decode=decode, chunk=chunk, sizes=sizes,
-                          kv4_settings=settings))  # fmt: skip
+                          kv4_settings=arguments.kv4_settings_as_literals(kv4_settings or {})))  # fmt: skip
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     if allocator is not None:
         env["LD_PRELOAD"] = " ".join(filter(None, (preload(allocator), env.get("LD_PRELOAD"))))
@@ -332,7 +329,7 @@ def run(args) -> int:
 
 def _worker(job: str) -> None:
     spec = json.loads(job)
-    settings = {name: ast.literal_eval(value) for name, value in spec.pop("kv4_settings").items()}
+    settings = arguments.kv4_settings_from_literals(spec.pop("kv4_settings"))
     print(json.dumps(measure(**spec, kv4_settings=settings)), flush=True)
 
 
