@@ -328,11 +328,13 @@ SETTINGS = tuple(inspect.signature(kv4).parameters)
 
 def check_settings(settings: dict, what: str, taken: tuple[str, ...] = ()) -> None:
     """Refuse ``settings`` naming anything but :func:`kv4`'s keywords, less those ``taken`` by the caller
-    (``what`` takes the rest), naming the ones accepted."""
+    (``what`` takes the rest), naming the ones accepted, or holding a value :func:`kv4` refuses: before
+    any work, which may run in processes of its own."""
     accepted = [name for name in SETTINGS if name not in taken]
     unknown = [name for name in settings if name not in accepted]
     if unknown:
         raise ValueError(f"kv4 settings {unknown} are not kvpass.kv4 settings {what} takes; those are {accepted}")
+    kv4(**settings)
 
 
 def kv4_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):

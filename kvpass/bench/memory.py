@@ -296,11 +296,10 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     from kvpass import bench
-    from kvpass.backend import check_settings, kv4
+    from kvpass.backend import check_settings
 
     kv4_settings = dict(args.kv4_settings)
     check_settings(kv4_settings, "kvpass bench memory")
-    kv4(**kv4_settings)  # a bad value refused here, not in each configuration's process
     contexts = args.contexts + ([16384] if args.long else [])
     sizes = dict(hidden=args.hidden, layers=args.layers)
     if args.allocator is not None:
