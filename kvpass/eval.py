@@ -672,6 +672,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the results (updated after every row) here")
     parser.add_argument("--markdown", metavar="PATH", help="write the table and settings as markdown here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    arguments.add_kv4_settings(parser, "every kv4 method (not sim-), under the method's own (kv4-rot keeps its "
+                                       "k_defer_prefix=False)")  # fmt: skip
+
+
+def with_kv4_settings(methods: list[Method], settings: dict) -> list[Method]:
+    """``methods`` with ``settings`` (``kvpass.kv4`` keywords) under each kv4 method's own; a combination
+    ``kvpass.kv4`` refuses is refused naming the method."""
+    merged = []
+    for method in methods:
+        if method.kind == "kv4" and settings:
+            method = dataclasses.replace(method, backend_kwargs={**settings, **method.backend_kwargs})
+            try:
+                method.specs
+            except ValueError as err:
+                raise ValueError(f"--kv4-setting on {method.name}: {err}") from None
+        merged.append(method)
+    return merged
 
 
 def tokenize_text(tokenizer, text: str, needed: int) -> torch.Tensor:
@@ -686,6 +703,7 @@ def tokenize_text(tokenizer, text: str, needed: int) -> torch.Tensor:
 
 def run(args) -> int:
     from kvpass import text_data
+    from kvpass.backend import check_settings
     from kvpass.models_zoo.real_model import load_model
 
     if args.threads:
@@ -694,7 +712,9 @@ def run(args) -> int:
     # (a 64-token forward: 2.0 s -> 0.2 s on the eval machine). Flushing them to zero changes
     # no reported digit and applies to every method alike.
     torch.set_flush_denormal(not args.keep_denormals)
-    methods = args.methods
+    kv4_settings = dict(args.kv4_settings)
+    check_settings(kv4_settings, "kvpass eval")
+    methods = with_kv4_settings(args.methods, kv4_settings)
     settings = Settings(
         contexts=tuple(args.contexts), chunk=args.chunk, prompts=args.prompts,
         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, greedy=not args.no_greedy, windows=args.windows,
@@ -724,7 +744,7 @@ def run(args) -> int:
         model=SMOLLM2 if args.model == "smollm2" else f"{args.model} ({model.config.model_type})", dtype=args.dtype,
         machine=version.machine(), settings=dataclasses.asdict(settings),
         text_tokens={k: len(v) for k, v in texts.items()}, flush_denormal=not args.keep_denormals,
-        methods={m.name: m.scheme for m in methods}
+        methods={m.name: m.scheme for m in methods}, kv4_settings=kv4_settings,
     )  # fmt: skip
     rows: list[dict] = []
 
@@ -749,8 +769,11 @@ def run(args) -> int:
     print(format_table(rows))
     print(f"\n{len(methods)} methods, texts {list(texts)}, contexts {list(settings.contexts)} x {settings.windows} window(s), chunk {settings.chunk}"
           + (f" after a prefill of {settings.prefill}" if settings.prefill else "") + "; "
-          f"greedy: {settings.prompts} prompts x {settings.new_tokens} tokens after {settings.prompt_tokens}-token prompts; "
-          f"{info['elapsed_s']:.0f} s")  # fmt: skip
+          + (f"greedy: {settings.prompts} prompts x {settings.new_tokens} tokens after {settings.prompt_tokens}-token "
+             "prompts; " if settings.greedy else "no greedy; ")
+          + f"{info['elapsed_s']:.0f} s")  # fmt: skip
+    if kv4_settings:
+        print(f"kv4 methods with {arguments.kv4_settings_text(args.kv4_settings)}")
     if args.markdown:
         m = info["machine"]
         md = [

@@ -16,7 +16,7 @@ from kvpass.cache_argument import cache_arg
 from kvpass.config import KVConfig
 from kvpass.coverage import TWIN_TOLERANCE
 from kvpass.models_zoo import build
-from tests.helpers import benchmark_script, kv_heavy_llama, sliding_mistral
+from tests.helpers import benchmark_script, kv_heavy_llama, save_tiny_model, sliding_mistral
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +260,36 @@ def test_windows_pool_consecutive_streams_each_from_an_empty_cache(model, monkey
     settings = dataclasses.replace(settings, windows=5, greedy=False)
     (short,) = kv_eval.evaluate(model, {"t": tokens}, [kv_eval.parse_method("fp")], settings, prefix=torch.tensor([1]))
     assert short["error"] == "text has only 400 tokens, fewer than 5 window(s) of 96"
+
+
+def test_kv4_settings_reach_every_kv4_method_under_its_own(tmp_path, capsys):
+    """``kvpass eval --kv4-setting``, end to end on a saved model: the kv4 methods' schemes (and the
+    bytes they stored) take the settings, each method keeping its own; fp does not; a combination a
+    method's own settings refuse is named with the method."""
+    from kvpass.cli import main
+
+    torch._dynamo.reset()
+    save_tiny_model(tmp_path / "model", head_dim=64)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{i * 7 % 31 + 1}" for i in range(600)))
+    common = ["eval", "--model", str(tmp_path / "model"), "--texts", "", "--text-file", str(text), "--contexts",
+              "128", "--chunk", "32", "--no-greedy", "--no-progress"]  # fmt: skip
+    runs, asked = {}, ["--kv4-setting", "v_bits=8", "--kv4-setting", "k_layer_bits={0: 8}"]
+    for name, settings in (("default", []), ("set", asked)):
+        assert main([*common, "--methods", "fp,kv4,kv4-rot", "--json", str(tmp_path / f"{name}.json"), *settings]) == 0
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    methods = runs["set"]["methods"]
+    assert methods["fp"] == "unquantized" and runs["set"]["kv4_settings"] == {"v_bits": 8, "k_layer_bits": {"0": 8}}
+    for name in ("kv4", "kv4-rot"):
+        assert ", V int8:" in methods[name] and methods[name].endswith("K int8 in layers 0"), methods[name]
+        assert methods[name].split(", V ")[0] == runs["default"]["methods"][name].split(", V ")[0]  # K's own spec
+    stored = {run: {r["method"]: r["kv_bytes_per_token"] for r in runs[run]["rows"]} for run in runs}
+    assert stored["set"]["fp"] == stored["default"]["fp"] and stored["set"]["kv4"] > stored["default"]["kv4"]
+    out = capsys.readouterr().out
+    assert "kv4 methods with v_bits=8, k_layer_bits={0: 8}" in out and "chunk 32; no greedy; " in out
+    with pytest.raises(SystemExit):  # valid for kv4, not over kv4-rot's own (no prefix statistics)
+        main([*common, "--methods", "kv4,kv4-rot", "--kv4-setting", "k_prefix_tokens=128"])
+    assert "--kv4-setting on kv4-rot: prefix_tokens=128 needs center" in capsys.readouterr().err
 
 
 def test_method_names():
