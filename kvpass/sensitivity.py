@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpass import arguments, version
-from kvpass.config import KVConfig, QuantSpec
+from kvpass.config import QuantSpec
 from kvpass.tables import render_table
 
 
@@ -77,7 +78,7 @@ def costly_layers(rows: list[dict], threshold_pct: float) -> list[int]:
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
     body = [[str(r["layer"]), r["type"], f"{r['ppl']:.4f}", f"{r['delta_pct']:+.2f}%"] for r in rows]
-    return render_table(["layer", "type", "ppl, this layer's K int4", "delta vs fp"], body, markdown)
+    return render_table(["layer", "type", "ppl, this layer's K quantized", "delta vs fp"], body, markdown)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,10 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=arguments.positive_int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    arguments.add_kv4_settings(parser, "K's spec (K's settings only: not V's, nor k_layer_bits, which this chooses)",
+                               taken=_not_k_settings())  # fmt: skip
+
+
+def _not_k_settings() -> tuple[str, ...]:
+    from kvpass.backend import SETTINGS
+
+    return tuple(name for name in SETTINGS if name.startswith("v_")) + ("k_layer_bits", "inner", "debug", "debug_dir")
 
 
 def run(args) -> int:
     from kvpass import text_data
+    from kvpass.backend import check_settings, kv4
     from kvpass.eval import tokenize_text
     from kvpass.models_zoo.real_model import load_model
 
@@ -103,21 +113,27 @@ def run(args) -> int:
     torch.set_flush_denormal(True)  # as kvpass eval does: float32 subnormals are slow on x86
     if args.chunk >= args.context:
         raise ValueError(f"--chunk must be under --context {args.context}, got {args.chunk}")
+    settings = dict(args.kv4_settings)
+    check_settings(settings, "kvpass sensitivity", taken=_not_k_settings())
     start = time.perf_counter()
     text = text_data.load(args.text)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     prefix = tokenizer("", return_tensors="pt").input_ids[0]  # BOS where the tokenizer has one
     ids = torch.cat([prefix, tokenize_text(tokenizer, text, args.context)])[: args.context][None]
-    k_spec = KVConfig().k
+    k_spec = kv4(**settings).config.k
     rows = layer_costs(model, ids, args.chunk, k_spec, progress=not args.no_progress)
     layers = costly_layers(rows, args.threshold)
     print(format_table(rows))
     print(f"\nfp perplexity {rows[0]['fp_ppl']:.4f}; K stored as {k_spec.tag} in one layer at a time, "
           f"{args.text} text, {ids.shape[1]} tokens in chunks of {args.chunk}; {time.perf_counter() - start:.0f} s")
     if layers:
+        given = "".join(f"{text}, " for text in [arguments.kv4_settings_text(args.kv4_settings)] if text)
+        eval_settings = "".join(f" --kv4-setting {shlex.quote(f'{name}={value!r}')}"
+                                for name, value in settings.items())  # fmt: skip
         print(f"layers over +{args.threshold}%: {layers}; "
-              f"try kvpass.kv4(k_layer_bits={{{', '.join(f'{i}: 8' for i in layers)}}}), and measure it with all "
-              f"layers together: kvpass eval --model {args.model} --methods fp,kv4,kv4-k8@{'.'.join(map(str, layers))}")
+              f"try kvpass.kv4({given}k_layer_bits={{{', '.join(f'{i}: 8' for i in layers)}}}), and measure it with "
+              f"all layers together: kvpass eval --model {args.model} --methods fp,kv4,kv4-k8@"
+              f"{'.'.join(map(str, layers))}{eval_settings}")  # fmt: skip
     else:
         print(f"no layer costs more than +{args.threshold}%")
     if args.json:

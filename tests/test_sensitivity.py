@@ -54,3 +54,32 @@ def test_attention_layers_leave_out_recurrent_ones():
     want = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
     assert 0 < len(want) < config.num_hidden_layers
     assert sensitivity.attention_layers(config) == want
+
+
+def test_kv4_settings_set_the_k_spec_measured_and_the_suggestion(tmp_path, capsys, monkeypatch):
+    import pytest
+
+    from kvpass.cli import main
+    from tests.helpers import save_tiny_model
+
+    save_tiny_model(tmp_path / "model", head_dim=64)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{i * 7 % 31 + 1}" for i in range(600)))
+    measured = []
+
+    def costs(model, ids, chunk, k_spec, progress):  # a random model's layer costs next to nothing: say 1%
+        measured.append(k_spec)
+        return [dict(layer=0, type="attention", ppl=1.01, fp_ppl=1.0, delta_pct=1.0)]
+
+    monkeypatch.setattr(sensitivity, "layer_costs", costs)
+    common = ["sensitivity", "--model", str(tmp_path / "model"), "--text", str(text), "--context", "256",
+              "--chunk", "32", "--no-progress"]  # fmt: skip
+    assert main([*common, "--kv4-setting", "bits=2", "--kv4-setting", "k_defer_prefix=False"]) == 0
+    assert measured == [dataclasses.replace(KVConfig().k, bits=2, defer_prefix=False)]
+    out = capsys.readouterr().out
+    assert f"K stored as {measured[0].tag} in one layer at a time" in out
+    assert "try kvpass.kv4(bits=2, k_defer_prefix=False, k_layer_bits={0: 8})" in out
+    assert "--methods fp,kv4,kv4-k8@0 --kv4-setting bits=2 --kv4-setting k_defer_prefix=False" in out
+    with pytest.raises(SystemExit):  # V is never measured here
+        main([*common, "--kv4-setting", "v_bits=8"])
+    assert "kv4 settings ['v_bits'] are not kvpass.kv4 settings kvpass sensitivity takes" in capsys.readouterr().err
