@@ -62,6 +62,8 @@ Methods (``--methods``, comma separated):
   the named variants, ``int8`` and ``int2`` keep neither without them, e.g.
   ``kv4-rot-mse-r56-ks4-kc``. ``-qs`` stores K scaled by the first append's queries
   (``kvpass.kv4(k_query_scaled=True)``), e.g. ``kv4-qs``.
+* ``-kB@L.L`` stores K in B bits in the layers L (``kvpass.kv4(k_layer_bits={L: B, ...})``), e.g.
+  ``kv4-k8@11.15``.
 * ``sim-<any of the above>``: the same scheme through :class:`kvpass.simulate.SimulatedKVCache`
   (eager, no compile), to cross-check the backend.
 * ``quanto``: Hugging Face ``QuantizedCache(backend="quanto", nbits=4)`` with its defaults
@@ -216,8 +218,6 @@ def parse_method(name: str) -> Method:
     if m["query_rounded"] or variant or m["base"] != "kv4":
         kwargs["k_query_rounded"] = int(m["rounded_from"] or 1) if m["query_rounded"] else 0  # -qr: 1, every append
     if m["layers"]:
-        if m["sim"]:
-            raise ValueError(f"{name}: per-layer K bits (-kB@L.L) exist only in the real backend: drop sim-")
         kwargs["k_layer_bits"] = {int(layer): int(m["layer_bits"]) for layer in m["layers"].split(".")}
     if window and not m["sim"]:
         kwargs["window"] = window  # kv4's own fp window (QuantSpec.window), flushed WINDOW_BLOCK at a time
@@ -249,8 +249,9 @@ class Runner:
             from kvpass.simulate import SimulatedKVCache, observing_queries
 
             k, v = method.specs
+            k_layers = dict(kvpass.kv4(**method.backend_kwargs).config.k_layers)
             self.step = observing_queries(model)
-            self.new_cache = lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens)
+            self.new_cache = lambda: SimulatedKVCache(model.config, k, v, method.fp_tokens, k_layer_specs=k_layers)
         elif method.kind == "rounded":
             from kvpass.simulate import RoundedKVCache
 
@@ -644,7 +645,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", type=arguments.comma_list(parse_method, "methods"), default=DEFAULT_METHODS,
                         help=f"comma-separated methods (default: {DEFAULT_METHODS}); names: fp, fp16, bf16, quanto[-int2], "
                              "[sim-](kv4|int8|int2)[-kivi|-rot|-naive][-gN][-intN][-kN][-vN][-asym|-sym][-mse][-rN][-wW]"
-                             "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries][-kB@L.L K bits B in layers L, not sim-], "
+                             "[-ksN K fp sinks][-kc K offset][-qs K scaled by the queries][-kB@L.L K bits B in layers L], "
                              "and for sim- only [-sN fp sinks][-fF flush block]")  # fmt: skip
     parser.add_argument("--model", default="smollm2",
                         help=f"{arguments.REAL_MODELS} (default: smollm2)")
