@@ -127,7 +127,7 @@ def run(args) -> int:
     print(f"\nfp perplexity {rows[0]['fp_ppl']:.4f}; K stored as {k_spec.tag} in one layer at a time, "
           f"{args.text} text, {ids.shape[1]} tokens in chunks of {args.chunk}; {time.perf_counter() - start:.0f} s")
     if layers:
-        given = "".join(f"{text}, " for text in [arguments.kv4_settings_text(args.kv4_settings)] if text)
+        given = "".join(f"{name}={value!r}, " for name, value in settings.items())
         eval_settings = "".join(f" --kv4-setting {shlex.quote(f'{name}={value!r}')}"
                                 for name, value in settings.items())  # fmt: skip
         print(f"layers over +{args.threshold}%: {layers}; "
