@@ -97,7 +97,8 @@ from kvpass.tables import render_table
 
 log = logging.getLogger("kvpass")
 
-DEFAULT_METHODS = "fp,kv4-rot,kv4-kivi,kv4-naive,sim-kv4-rot,quanto,int8"
+# The default scheme, the variants it was chosen from, HF's int4 cache and int8.
+DEFAULT_METHODS = "fp,kv4,kv4-rot,kv4-kivi,kv4-naive,quanto,int8"
 
 _METHOD = re.compile(r"^(?P<sim>sim-)?(?P<base>kv4|int8|int2)(?:-(?P<variant>kivi|rot|naive))?"
                      r"(?:-g(?P<group>\d+))?(?:-int(?P<bits>\d))?(?:-k(?P<k_bits>\d))?(?:-v(?P<v_bits>\d))?"

@@ -1,5 +1,6 @@
 """The streaming-perplexity and greedy-agreement protocol of ``kvpass eval`` on a tiny model."""
 
+import argparse
 import dataclasses
 import json
 import math
@@ -331,6 +332,10 @@ def test_method_names():
     assert (k.sinks, k.center, k.refine, v.sinks, v.center, v.refine) == (4, True, 56, 0, False, 56)
     assert kv_eval.parse_method("sim-kv4-kivi").kind == "sim"
     assert kv_eval.parse_method("kv4").specs == (KVConfig().k, KVConfig().v)
+    parser = argparse.ArgumentParser()
+    kv_eval.add_arguments(parser)
+    default_run = [m for m in parser.parse_args([]).methods if m.kind == "kv4"]  # a bare `kvpass eval`
+    assert [m.specs for m in default_run if not m.backend_kwargs] == [(KVConfig().k, KVConfig().v)]
     k, v = kv_eval.parse_method("kv4-kivi").specs
     assert (k.scheme, k.group, k.rotate, v.scheme, v.group, v.rotate) == ("channel", 64, False, "token", 128, False)
     # -kB@L.L: K bits B in layers L, the rest the default; bytes then depend on the model's layers
