@@ -924,7 +924,8 @@ def _rounded_codes(groups: torch.Tensor, scale: torch.Tensor, coefficients: torc
     share_rows = coefficients.double().unflatten(-2, (-1, ROUNDING_BLOCK)).unbind(-3)
     limit = ROUNDING_LIMIT / unit
     for t_block, code, shares in zip(*blocks, share_rows):
-        torch.round(t_block, out=code).clamp_(code_min, code_max)
+        # copy_, not round(out=code): Inductor takes no strided out= tensor (a decode step's compile failed).
+        code.copy_(t_block.round()).clamp_(code_min, code_max)
         passed = (torch.sub(t_block, code) @ shares).floor_()
         by_group.sub_(passed, alpha=1 / unit).clamp_(-limit, limit)
     nearest = _codes_from(groups, scale[..., None], code_min, code_max)

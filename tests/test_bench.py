@@ -302,3 +302,15 @@ def test_append_grid_times_every_method_and_amortizes_the_growable_cache():
     assert by["kv4-qr"]["spec"] == dataclasses.replace(KVConfig().k, query_rounded=True).tag
     assert all(r["median_us"] > 0 and r["max_us"] >= r["mean_us"] for r in rows)
     assert "kv4 copy" in append.format_table(rows)
+
+
+def test_append_timing_compiles_nothing_once_warmed_up(monkeypatch):
+    """With the CPU steps' compiled path on (tests/conftest.py turns it off): a step's first call runs
+    eagerly and its second compiles, so a warm-up of one append left a compile in the first timed step."""
+    from kvpass import cpu_steps
+    from kvpass.bench import append
+
+    for name, fresh in (("enabled", True), ("_compiled", {}), ("_recent", {}), ("_refused", set())):
+        monkeypatch.setattr(cpu_steps, name, fresh)
+    row = append.measure("kv4 copy", 300, steps=3, heads=2, head_dim=64)
+    assert row["graphs_compiled"] == 0 and append.format_table([row]).splitlines()[-1].split()[-1] == "0"

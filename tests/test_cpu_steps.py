@@ -93,6 +93,24 @@ def test_a_decode_steps_compiled_quantization_is_the_references_bit_for_bit(comp
     assert any(s.isnan().any() for s in got[1::2]), "the hard values' non-finite tokens are in the batch"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_query_rounded_decode_steps_quantization_compiles_and_is_the_references_bit_for_bit(compiled_steps, caplog,
+                                                                                              dtype):  # fmt: skip
+    # Its rounding wrote each block's codes through round(out=) into a strided view, which Inductor
+    # refuses: every kvpass.kv4(k_query_rounded=True) decode step ran the reference eagerly, with a warning.
+    spec = dataclasses.replace(DEFAULT.k, query_rounded=1)
+    x = _decode_steps(9, 3, 64, dtype, seed=5)
+    offset = torch.randn(9, 3, 1, 64, generator=torch.Generator().manual_seed(0)).half()
+    query = torch.randn(9, 12, 1, 64, generator=torch.Generator().manual_seed(1))
+    rounding = reference.rounding_coefficients(query, 3, None, spec)
+    expected = reference.encode_refined(x, spec, offset=offset, rounding=rounding)
+    with caplog.at_level(logging.WARNING, logger="kvpass"):
+        got = _second(lambda: cpu_steps.encode_refined(x, spec, offset, rounding))
+    assert compiled_steps == [reference.encode_refined] and "runs eagerly" not in caplog.text
+    for out, ref in zip(got, expected, strict=True):
+        assert torch.equal(out, ref) if out.dtype == torch.uint8 else bits_equal(out, ref)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "batch-outermost", "heads-of-a-projection"])
 def test_a_decode_steps_quantization_is_the_same_whatever_its_tokens_layout(compiled_steps, layout):
     # The rotation's sums round as the matmul's kernel adds them, and matmul runs a layout it cannot

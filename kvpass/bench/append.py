@@ -61,6 +61,8 @@ def _appender(method: str, past: torch.Tensor, spec, query: torch.Tensor):
 
 @torch.no_grad()
 def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, head_dim: int = 128) -> dict:
+    from torch._dynamo.utils import counters
+
     from kvpass.config import KVConfig
     from kvpass.packed import spare_rows
 
@@ -69,7 +71,9 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
     new = torch.randn(batch, heads, 1, head_dim, generator=g).half()
     query = torch.randn(batch, QUERIES_PER_KV_HEAD * heads, 1, head_dim, generator=g).half()
     cache, append = _appender(method, past, KVConfig().k, query)
-    cache = append(cache, new)  # warm-up
+    for _ in range(2):  # warm-up: a CPU step's first call runs eagerly, its second compiles (kvpass.cpu_steps)
+        cache = append(cache, new)
+    graphs = counters["stats"]["unique_graphs"]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -80,6 +84,7 @@ def measure(method: str, ctx: int, steps: int, batch: int = 1, heads: int = 8, h
         method=method, ctx=ctx, batch=batch, heads=heads, head_dim=head_dim, steps=steps,
         median_us=1e6 * statistics.median(times), mean_us=1e6 * statistics.fmean(times),
         max_us=1e6 * max(times), copies_whole_cache_every=period, threads=torch.get_num_threads(),
+        graphs_compiled=counters["stats"]["unique_graphs"] - graphs,
         spec=getattr(cache, "spec", None) and cache.spec.tag,
     )  # fmt: skip
 
@@ -101,14 +106,15 @@ def run_grid(methods, contexts, steps: int | None = None, **shape) -> list[dict]
 
 
 def format_table(rows: list[dict], markdown: bool = False) -> str:
-    header = ["method", "ctx", "steps", "median (us)", "mean (us)", "max (us)", "median x at 1st ctx"]
+    header = ["method", "ctx", "steps", "median (us)", "mean (us)", "max (us)", "median x at 1st ctx",
+              "graphs compiled while timed"]  # fmt: skip
     first = {}
     lines = []
     for r in rows:
         base = first.setdefault(r["method"], r["median_us"])
         lines.append([
             r["method"], f"{r['ctx']:,}", str(r["steps"]), f"{r['median_us']:,.1f}", f"{r['mean_us']:,.1f}",
-            f"{r['max_us']:,.0f}", f"{r['median_us'] / base:.2f}",
+            f"{r['max_us']:,.0f}", f"{r['median_us'] / base:.2f}", str(r.get("graphs_compiled", "")),
         ])  # fmt: skip
     return render_table(header, lines, markdown)
 
