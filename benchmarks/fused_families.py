@@ -12,15 +12,16 @@ discontinuous; the logits then differ by a quantization step's effect). Prints w
 agree, the largest logit difference of the first decode step (where only that step's order of sums
 has moved anything; 0 where each layer's call is its structure's first, which runs eagerly) and of
 all, how many calls ran the fused path's compiled graph (a structure's first call runs eagerly; 0: no
-decode attention of the model takes it, as an MLA latent's), and how many of the fused attention's
-structures Inductor failed to compile, whose calls ran the reference eagerly (``cpu_steps._contain``).
-Each run starts with no compiled graphs kept.
+decode attention of the model takes it, as an MLA latent's), and how many CPU step structures (the
+fused attention's or a quantization's) Inductor failed to compile, whose calls ran the reference
+eagerly (``cpu_steps._contain``). Each run starts with no compiled graphs kept. ``--kv4-setting``:
+``kvpass.kv4`` settings of one's own in place of the default (an opt-in's decode steps compiled too).
 
 ``--coverage`` takes model types instead (all that ``docs/coverage.json`` lists as rewritten, or
 those named), each as ``kvpass coverage`` shrinks it (heads of 32 channels: K's spec with all its
 extras), in a subprocess of its own with a timeout.
 
-    python benchmarks/fused_families.py [FAMILY ...] [--tokens 12]
+    python benchmarks/fused_families.py [FAMILY ...] [--tokens 12] [--kv4-setting NAME=VALUE ...]
     python benchmarks/fused_families.py --coverage [TYPE ...] [--jobs 2] [--timeout 300]
 """
 
@@ -37,7 +38,8 @@ from pathlib import Path
 import torch
 from isolated import last_line  # benchmarks/, beside this script
 
-from kvpass import coverage, cpu_steps
+import kvpass
+from kvpass import arguments, coverage, cpu_steps
 from kvpass.models_zoo import ZOO, build
 
 PROMPT_TOKENS = 90
@@ -54,12 +56,12 @@ def _model(name: str, from_coverage: bool):
 
 
 @torch.no_grad()
-def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
-    """``(output, calls that ran a fused graph, structures whose compile failed)`` of a kv4-compiled ``name``
-    generating ``tokens`` greedy tokens."""
+def generate(name: str, tokens: int, fused: bool, from_coverage: bool, kv4_settings: dict):
+    """``(output, calls that ran a fused graph, structures whose compile failed)`` of ``name`` compiled with
+    ``kvpass.kv4(**kv4_settings)``, generating ``tokens`` greedy tokens."""
     torch._dynamo.reset()
     model = _model(name, from_coverage)
-    model.compile(backend="kv4")
+    model.compile(backend=kvpass.kv4(**kv4_settings))
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 256, 256)
     ids = torch.randint(3, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
     calls, compile_ = [0], cpu_steps._compile
@@ -81,13 +83,14 @@ def generate(name: str, tokens: int, fused: bool, from_coverage: bool):
     fresh = dict(_compiled={}, _recent={}, _refused=set(), _compile=counted_compile)
     with unittest.mock.patch.multiple(cpu_steps, **fresh), attention:
         output = model.generate(ids, **settings)
-        return output, calls[0], sum(fn in FUSED for fn, _ in cpu_steps._refused)
+        return output, calls[0], len(cpu_steps._refused)
 
 
-def compare(name: str, tokens: int, from_coverage: bool) -> str:
+def compare(name: str, tokens: int, from_coverage: bool, kv4_settings: dict) -> str:
     """The table row of one model."""
     start = time.perf_counter()
-    (fused, calls, failed), (reference, *_) = (generate(name, tokens, fused, from_coverage) for fused in (True, False))
+    (fused, calls, failed), (reference, *_) = (generate(name, tokens, fused, from_coverage, kv4_settings)
+                                               for fused in (True, False))  # fmt: skip
     same = torch.equal(fused.sequences, reference.sequences)
     diffs = [(a - b).abs().max().item() for a, b in zip(fused.logits, reference.logits)]
     seconds = time.perf_counter() - start
@@ -95,9 +98,10 @@ def compare(name: str, tokens: int, from_coverage: bool) -> str:
     return f"{name:<24} {str(same):<12} {diffs[1]:<12.1e} {max(diffs):<9.1e} {calls:<17} {failed:<16} {seconds:.0f}"
 
 
-def compare_isolated(name: str, tokens: int, timeout: float) -> str:
+def compare_isolated(name: str, tokens: int, timeout: float, kv4_settings: dict) -> str:
     """:func:`compare` of a coverage type in a subprocess: a type that crashes or hangs says so in its row."""
-    line, why = last_line([__file__, "--one", name, "--tokens", str(tokens)], timeout,
+    settings = json.dumps(arguments.kv4_settings_as_literals(kv4_settings))
+    line, why = last_line([__file__, "--one", name, "--tokens", str(tokens), "--settings", settings], timeout,
                           lambda line: line.startswith(name))  # fmt: skip
     return line if line is not None else f"{name:<24} failed: {why}"
 
@@ -110,20 +114,24 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="--coverage: subprocesses at once")
     parser.add_argument("--timeout", type=float, default=300, help="--coverage: seconds a type")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a --coverage subprocess's type
+    parser.add_argument("--settings", type=json.loads, default={}, help=argparse.SUPPRESS)  # and its settings
+    arguments.add_kv4_settings(parser, "every model's backend")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.one:
-        print(compare(args.one, args.tokens, from_coverage=True))
+        print(compare(args.one, args.tokens, True, arguments.kv4_settings_from_literals(args.settings)))
         return
+    kv4_settings = dict(args.kv4_settings)
+    kvpass.backend.check_settings(kv4_settings, "fused_families.py")
     print(COLUMNS, flush=True)
     if not args.coverage:
         for name in args.names or ZOO:
-            print(compare(name, args.tokens, from_coverage=False), flush=True)
+            print(compare(name, args.tokens, False, kv4_settings), flush=True)
         return
     matrix = json.loads((Path(__file__).parents[1] / "docs" / "coverage.json").read_text())
     names = args.names or [row["model_type"] for row in matrix["rows"] if row["status"] == "rewritten"]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for row in pool.map(lambda name: compare_isolated(name, args.tokens, args.timeout), names):
+        for row in pool.map(lambda name: compare_isolated(name, args.tokens, args.timeout, kv4_settings), names):
             print(row, flush=True)
 
 
