@@ -127,13 +127,12 @@ def run(args) -> int:
     print(f"\nfp perplexity {rows[0]['fp_ppl']:.4f}; K stored as {k_spec.tag} in one layer at a time, "
           f"{args.text} text, {ids.shape[1]} tokens in chunks of {args.chunk}; {time.perf_counter() - start:.0f} s")
     if layers:
-        given = "".join(f"{name}={value!r}, " for name, value in settings.items())
-        eval_settings = "".join(f" --kv4-setting {shlex.quote(f'{name}={value!r}')}"
-                                for name, value in settings.items())  # fmt: skip
-        print(f"layers over +{args.threshold}%: {layers}; "
-              f"try kvpass.kv4({given}k_layer_bits={{{', '.join(f'{i}: 8' for i in layers)}}}), and measure it with "
-              f"all layers together: kvpass eval --model {args.model} --methods fp,kv4,kv4-k8@"
-              f"{'.'.join(map(str, layers))}{eval_settings}")  # fmt: skip
+        call = arguments.kv4_settings_text([*settings.items(), ("k_layer_bits", dict.fromkeys(layers, 8))])
+        eval_settings = "".join(f" --kv4-setting {shlex.quote(arguments.kv4_settings_text([item]))}"
+                                for item in settings.items())  # fmt: skip
+        print(f"layers over +{args.threshold}%: {layers}; try kvpass.kv4({call}), and measure it with all layers "
+              f"together: kvpass eval --model {args.model} --methods fp,kv4,kv4-k8@{'.'.join(map(str, layers))}"
+              f"{eval_settings}")  # fmt: skip
     else:
         print(f"no layer costs more than +{args.threshold}%")
     if args.json:
