@@ -289,12 +289,12 @@ def kv4(
         query_rounded=default(k_query_rounded, _DEFAULT.k.query_rounded, k_plain and k_symmetric),
     )
     deferrable = any(k_extras[name] for name in ("sinks", "center", "query_scaled"))
-    k = QuantSpec(**k_extras, defer_prefix=default(k_defer_prefix, _DEFAULT.k.defer_prefix, deferrable),
-                  prefix_tokens=k_prefix_tokens)  # fmt: skip
+    k = _spec("K", **k_extras, defer_prefix=default(k_defer_prefix, _DEFAULT.k.defer_prefix, deferrable),
+              prefix_tokens=k_prefix_tokens)  # fmt: skip
     config = KVConfig(
         k=k,
-        v=QuantSpec(
-            bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
+        v=_spec(
+            "V", bits=v_bits or bits, scheme=v_scheme, group=v_group, rotate=v_rotate, symmetric=v_symmetric,
             window=window, clip=_DEFAULT.v.clip and v_symmetric if clip is None else clip,
             refine=default(refine, _DEFAULT.v.refine, v_plain), sinks=default(v_sinks, _DEFAULT.v.sinks, v_plain),
             center=default(v_center, _DEFAULT.v.center, v_plain and v_symmetric),
@@ -305,6 +305,14 @@ def kv4(
         debug_dir=debug_dir,
     )
     return rewrite_then(_inner(config.inner), config)
+
+
+def _spec(cache: str, **fields) -> QuantSpec:
+    # QuantSpec names its own field (group, not k_group or v_group): say which cache's it is.
+    try:
+        return QuantSpec(**fields)
+    except ValueError as why:
+        raise ValueError(f"{cache} spec: {why}") from None
 
 
 def _k_layers(k: QuantSpec, bits_by_layer: dict[int, int]) -> tuple[tuple[int, QuantSpec], ...]:

@@ -386,7 +386,9 @@ def test_backend_string_works_in_a_process_that_never_imports_kvpass():
     [
         ({"bits": 5}, r"bits must be one of \[2, 4, 8\], got 5"),
         ({"k_scheme": "head"}, r"scheme must be one of \['channel', 'token'\], got 'head'"),
-        ({"v_group": 100}, "group must be a power of two >= 2, got 100"),
+        # QuantSpec's message names its field (group); which cache's, K or V, is said before it
+        ({"v_group": 100}, "^V spec: group must be a power of two >= 2, got 100$"),
+        ({"k_group": 48}, "^K spec: group must be a power of two >= 2, got 48$"),
         ({"inner": "cudagraphs"}, r"inner must be one of \['eager', 'aot_eager', 'inductor'\], got 'cudagraphs'"),
         ({"v_scheme": "channel"}, "v_scheme='channel' is not supported"),
         ({"symmetric": "no"}, "symmetric must be True or False, got 'no'"),
