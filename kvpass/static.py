@@ -30,6 +30,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 from transformers.utils import is_torchdynamo_compiling
 
@@ -107,6 +108,8 @@ class StaticKVCache(StaticCache):
 
     def __init__(self, config, max_cache_len: int, k_spec: QuantSpec | None = None, v_spec: QuantSpec | None = None,
                  **kwargs):  # fmt: skip
+        if not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a transformers PretrainedConfig (model.config), got {config!r}")
         if not is_count(max_cache_len) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be an int >= 1 (the tokens the cache holds), got {max_cache_len!r}")
         super().__init__(config=config, max_cache_len=max_cache_len, **kwargs)
@@ -121,6 +124,8 @@ def int4_static_caches(model: torch.nn.Module, k_spec: QuantSpec | None = None, 
     forward traces it as a no-op, so it adds no guard and no graph break (a cache first
     filled by a compiled forward is allocated int4 by the kv4 pass itself).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (the model whose generate is called), got {model!r}")
     specs = _specs(k_spec, v_spec)
     seen = weakref.WeakSet()  # each cache once, at its first forward: later steps pay nothing
 

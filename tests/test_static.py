@@ -56,6 +56,11 @@ def test_bad_static_cache_arguments_are_named():
         StaticKVCache(config, max_cache_len=8, v_spec="int4:token:64")
     with pytest.raises(TypeError, match="k_spec must be a kvpass.QuantSpec, got 4"):
         int4_static_caches(build("llama"), k_spec=4)
+    # HF's raise an AttributeError on the config's or the model's first attribute read
+    with pytest.raises(TypeError, match=r"config must be a transformers PretrainedConfig \(model.config\), got None"):
+        StaticKVCache(None, max_cache_len=8)
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module \(.*\), got 'llama'"):
+        int4_static_caches("llama")
 
 
 def test_compiled_generate_rewrites_static_decode_and_matches_eager():
