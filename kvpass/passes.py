@@ -669,6 +669,7 @@ def _match_sdpa(sdpa: fx.Node) -> _Attention:
 SOFTMAX_TARGETS = (torch.nn.functional.softmax, torch.softmax)
 MATMUL_TARGETS = (torch.matmul, operator.matmul)
 BMM_TARGETS = (torch.bmm,)
+CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d)
 
 
 def _is_call(node, targets=(), method=None) -> bool:
@@ -1936,12 +1937,13 @@ def _kept_between_forwards(node: fx.Node) -> bool:
     return any(user.op == "output" or (_writes_in_place(user) and user.args[:1] == (node,)) for user in node.users)
 
 
-def _reads_no_cache(attn: _Attention, outputs: set) -> bool:
-    """Whether K and V descend from nothing a cache could hold, short of other attentions' results
-    (``outputs``), which read their own caches: an attention over values of this forward alone, such
-    as Inkling2's over its layers' outputs, where a cache write is not missed but absent."""
+def _reads_no_cache(attn: _Attention, computed_here: set) -> bool:
+    """Whether K and V descend from nothing a cache could hold, short of values ``computed_here`` (other
+    attentions' results, which read their own caches; convolutions): an attention over values of this
+    forward alone, such as Inkling2's over its layers' outputs or a vision encoder's over its patches,
+    where a cache write is not missed but absent."""
     starts = [n for n in (attn.key, attn.value) if isinstance(n, fx.Node)]
-    return not _upstream(starts, _kept_between_forwards, stop=outputs)
+    return not _upstream(starts, _kept_between_forwards, stop=computed_here)
 
 
 def _has_ancestor(node: fx.Node, targets: set, limit: int = 400) -> bool:
@@ -1971,7 +1973,9 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates.sort(key=lambda c: order[c[0]])
     reports, matched, unmatched = [], [], []
-    outputs = {_attention_output(node, form) for node, form in candidates}
+    # A convolution's output is this forward's (ViT's patches of a 4-D pixel_values input): no cache holds it.
+    computed_here = {_attention_output(node, form) for node, form in candidates}
+    computed_here |= {node for node in graph.nodes if _is_call(node, CONVOLUTIONS)}
     for index, (node, form) in enumerate(candidates):
         module = _module_path(node)
         site_config = config.for_layer(layer_index(module))
@@ -1982,7 +1986,7 @@ def rewrite(gm: fx.GraphModule, config: KVConfig) -> list[SiteReport]:
         except NoMatch as why:
             reports.append(SiteReport(index, module, form, "?", False, str(why)))
             # Read now: rewriting the other sites replaces the attention results the walk stops at.
-            reads_no_cache = attn is not None and _reads_no_cache(attn, outputs)
+            reads_no_cache = attn is not None and _reads_no_cache(attn, computed_here)
             unmatched.append((reports[-1], node, str(why), reads_no_cache))
     # Match every site before rewriting any: a cache write may be read by several of them.
     shared, site_readers = _SharedWrites(), {}

@@ -326,8 +326,9 @@ def test_a_model_under_autocast_generates_with_int4_caches():
 
 def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
     """Inkling2 attends over its layers' outputs, per token: K and V descend from nothing a cache could
-    hold, so no cache write is missed there, and the site says so rather than "left fp16". K computed
-    from a 4-D input, or from a cache write through an op that is no view, keeps the cache's reason."""
+    hold, so no cache write is missed there, and the site says so rather than "left fp16"; so does a ViT's
+    over its patches, a convolution of a 4-D input. K computed from a 4-D input otherwise, or from a cache
+    write through an op that is no view, keeps the cache's reason."""
     torch._dynamo.reset()
     backend = kvpass.kv4()
     weights = torch.randn(3, 16, 16)
@@ -336,6 +337,10 @@ def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
         blocks = torch.stack([torch.tanh(x @ w) for w in weights], -2)  # [B, S, 3, 16]
         k = torch.nn.functional.rms_norm(blocks, (16,))
         return torch.nn.functional.scaled_dot_product_attention(x[:, :, None], k, k)
+
+    def over_image_patches(pixels):  # a ViT: a 4-D input, made patches by a convolution
+        patches = torch.conv2d(pixels, torch.ones(16, 3, 4, 4), stride=4).flatten(2).transpose(1, 2)[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(patches, patches, patches)
 
     def over_an_input(q, k_in):
         return torch.nn.functional.scaled_dot_product_attention(q, k_in * 2, k_in)
@@ -348,15 +353,17 @@ def test_an_attention_over_no_cache_is_no_site_left_fp16(caplog):
     without_before, left_before = passes.counters["site_without_cache"], passes.counters["site_left_fp16"]
     with caplog.at_level(logging.INFO, logger="kvpass"):
         torch.compile(over_layer_outputs, backend=backend)(x)
+        torch.compile(over_image_patches, backend=backend)(torch.randn(1, 3, 8, 8))
         torch.compile(over_an_input, backend=backend)(q, q)
         torch.compile(over_a_cache_write_scaled, backend=backend)(q, q, q)
-    (no_cache,), (an_input,), (scaled,) = (graph.sites for graph in backend.graphs)
-    assert no_cache.phase == passes.NO_CACHE and not no_cache.rewritten and not no_cache.left_fp16
-    assert no_cache.reason.startswith("reads no KV cache") and no_cache.reason not in caplog.text
+    (no_cache,), (patches,), (an_input,), (scaled,) = (graph.sites for graph in backend.graphs)
+    for site in (no_cache, patches):
+        assert site.phase == passes.NO_CACHE and not site.rewritten and not site.left_fp16
+        assert site.reason.startswith("reads no KV cache") and site.reason not in caplog.text
     assert "none" in debug.site_table([no_cache]).splitlines()[1].split()
     for site in (an_input, scaled):
         assert site.left_fp16 and "does not come from a cache write" in site.reason and site.reason in caplog.text
-    assert passes.counters["site_without_cache"] == without_before + 1
+    assert passes.counters["site_without_cache"] == without_before + 2
     assert passes.counters["site_left_fp16"] == left_before + 2
 
 
