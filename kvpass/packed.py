@@ -228,6 +228,11 @@ class PackedKV(torch.Tensor):
         rounding) skip. With ``fills_pads`` a first append also copies each padded row's first tokens into
         its first pad slots (``filled_pads``); a cache's K and V must be told alike, as attention reads
         them slot by slot."""
+        if new.dim() != 4 or (*new.shape[:2], new.shape[3]) != (*self.shape[:2], self.shape[3]):
+            raise ValueError(
+                f"cannot append tokens of shape {tuple(new.shape)} to a kv4 cache of shape {tuple(self.shape)}: "
+                "batch, heads and head_dim must be the cache's (a cache of another batch or model?)"
+            )
         if fills_pads and not self.spec.tokens_apart:
             raise ValueError(
                 f"{self.spec.tag} cannot fill a row's pads: only per-token groups without an fp window store "
@@ -812,8 +817,8 @@ def _cat_impl(func, args, kwargs):
     past, *rest = tensors
     if any(isinstance(t, PackedKV) for t in rest):
         return NotImplemented
-    # HF's first update concatenates onto an empty 1-D tensor; skip those.
-    rest = [t for t in rest if t.dim() == 4]
+    # HF's first update concatenates onto an empty 1-D tensor; torch.cat skips those, and so does this.
+    rest = [t for t in rest if t.shape != (0,)]
     return past.append(torch.cat(rest, dim=2)) if rest else past
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import io
 import logging
 import platform
+import re
 
 import pytest
 import torch
@@ -75,6 +76,18 @@ def test_append_quantizes_only_new_tokens(spec):
     torch.testing.assert_close(p.dequantize(), quantize_dequantize(x, spec), rtol=0, atol=0)
     if spec.scheme == "channel":
         assert p.residual.shape[2] == 200 % 64
+
+
+def test_an_append_of_another_batch_heads_or_head_dim_is_named(spec):
+    """A cache handed to another batch or model: a fp cache's cat says "Sizes of tensors must match";
+    the cache's own tokens would fail deeper down (a broadcast of head_dims in a fake trace)."""
+    x, p = _packed(spec)
+    B, H, _, D = x.shape
+    for shape in ((B + 1, H, 1, D), (B, H * 2, 1, D), (B, H, 1, D // 2), (B, H, D)):
+        with pytest.raises(ValueError, match=re.escape(f"cannot append tokens of shape {shape} to a kv4 cache of "
+                                                       f"shape {tuple(p.shape)}: batch, heads and head_dim")):
+            torch.cat([p, x.new_zeros(shape)], dim=-2)
+    assert torch.cat([p, x[:, :, :1]], dim=-2).shape == (B, H, x.shape[2] + 1, D)
 
 
 def test_batch_reorder_and_select(spec):
