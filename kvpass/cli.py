@@ -103,13 +103,16 @@ def run_demo(args) -> None:
     fp_cache, cache = returned_cache(fp_out), returned_cache(out)
     fp_bytes = sum(t.numel() * 2 for layer in fp_cache.layers for t in (layer.keys, layer.values))
     stored = sum(t.stored_bytes() for layer in cache.layers for t in (layer.keys, layer.values))
-    # Only the generated tokens: the prompt is equal by construction.
+    # Only the generated tokens: the prompt is equal by construction. Either run may end its sequence
+    # early (a real model's end-of-sequence token), and not at the same step.
     new, fp_new = out.sequences[0, ids.shape[1] :], fp_out.sequences[0, ids.shape[1] :]
-    differs = (new != fp_new).nonzero()
-    agreed = int(differs[0]) if len(differs) else len(new)
+    both = min(len(new), len(fp_new))
+    differs = (new[:both] != fp_new[:both]).nonzero()
+    agreed = int(differs[0]) if len(differs) else both
     source = f"models_zoo {args.model} ({model.config.model_type}, random weights)" if tokenizer is None else \
         f"{args.model} ({model.config.model_type})"
-    print(f"model: {source}, {ids.shape[1]} prompt + {args.new_tokens} generated tokens, "
+    ended = "" if len(new) == args.new_tokens else f" (of {args.new_tokens} asked: it ended the sequence)"
+    print(f"model: {source}, {ids.shape[1]} prompt + {len(new)} generated tokens{ended}, "
           f"kvpass.kv4({arguments.kv4_settings_text(args.kv4_settings)})")  # fmt: skip
     # A cache still waiting for K's prefix (under 64 tokens) holds K exact and can be larger.
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
@@ -122,7 +125,7 @@ def run_demo(args) -> None:
               "sinks, offset and query scales: a longer prompt or more new tokens stores it in int4")  # fmt: skip
     # A graph per decode step would mean a length the graphs specialise on: say how many there were.
     print(f"kv4 generate: {seconds:.1f} s with compiling, {len(backend.graphs)} graphs compiled for "
-          f"{args.new_tokens} generated tokens")  # fmt: skip
+          f"{len(new)} generated tokens")  # fmt: skip
     caveat = " (random weights give near-flat logits, so an early difference says little)" if tokenizer is None else ""
     print(f"generated tokens equal to the unquantized model's before the first difference: {agreed} of {len(new)}"
           f"{caveat}")  # fmt: skip

@@ -88,6 +88,34 @@ def test_demo_on_a_users_own_model_shows_its_text(capsys, tmp_path):
     assert "--prompt-tokens 300 is more than the 200 tokens of --text" in capsys.readouterr().err
 
 
+def test_demo_counts_the_tokens_generated_when_a_run_ends_its_sequence(capsys, tmp_path):
+    """A real model may end its sequence before --new-tokens, and its two runs at different steps: the
+    demo said "6 generated tokens" of 3, and compared sequences of two lengths (a RuntimeError)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch._dynamo.reset()
+    save_tiny_model(tmp_path / "model")
+    prompt = [i * 7 % 31 + 1 for i in range(70)]
+    text = tmp_path / "prompt.txt"
+    text.write_text(" ".join(f"t{i}" for i in prompt))
+    fp = AutoModelForCausalLM.from_pretrained(tmp_path / "model").generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False
+    )[0, 70:].tolist()
+    GenerationConfig(eos_token_id=fp[2]).save_pretrained(tmp_path / "model")  # the fp run ends at its third
+    assert main(["demo", "--model", str(tmp_path / "model"), "--text", str(text), "--prompt-tokens", "70",
+                 "--new-tokens", "6"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    wrote = dict(re.findall(r"(fp16|kv4) cache wrote: +'([t\d ]*)'", out))
+    assert wrote["fp16"].split() == [f"t{i}" for i in fp[: fp.index(fp[2]) + 1]]
+    generated = len(wrote["kv4"].split())
+    ended = "" if generated == 6 else " (of 6 asked: it ended the sequence)"
+    assert f"70 prompt + {generated} generated tokens{ended}, kvpass.kv4()" in out
+    assert f"graphs compiled for {generated} generated tokens" in out
+    agreed = next((i for i, (a, b) in enumerate(zip(wrote["kv4"].split(), wrote["fp16"].split())) if a != b),
+                  min(generated, len(wrote["fp16"].split())))  # fmt: skip
+    assert f"before the first difference: {agreed} of {generated}\n" in out
+
+
 def test_demo_takes_a_prompt_as_given_and_says_why_a_short_ones_k_is_not_int4_yet(capsys, tmp_path):
     torch._dynamo.reset()
     save_tiny_model(tmp_path / "model", head_dim=64)  # narrower heads hold no query scales to wait for
