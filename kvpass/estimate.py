@@ -68,6 +68,8 @@ _SLIDING_TYPES = {"sliding_attention", "sliding", "local", "local_attention", "h
 _CHUNKED_TYPES = {"chunked_attention"}
 _STATE_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent", "rwkv"}
 _NO_CACHE_TYPES = {"moe", "mlp", "dummy"}
+# Models with no attention layer whose configs name no layer types (xLSTM's num_heads are its cells').
+_ATTENTION_FREE_TYPES = {"mamba", "falcon_mamba", "rwkv", "xlstm"}
 # The kinds of layer (`KVSizes.kinds`) that hold a KV cache of their own.
 _KV_KINDS = ("full", "sliding")
 # DeepSeek-V4's layers (transformers' DeepseekV4HCACache, DeepseekV4CSACache): a sliding window of K and V
@@ -386,8 +388,12 @@ def _load_config_file(path: Path) -> Any:
 
     model_type = data.get("model_type")
     if model_type in CONFIG_MAPPING:
-        # The config class fills in defaults the file omits (head_dim, layer_types, ...).
-        return CONFIG_MAPPING[model_type].from_dict(data)
+        # The config class fills in defaults the file omits (head_dim, layer_types, ...), and reads the floats
+        # save_pretrained writes as objects (Mamba-2's time_step_limit [0.0, {"__float__": "Infinity"}]).
+        try:
+            return CONFIG_MAPPING[model_type].from_json_file(path)
+        except Exception as err:  # the config class's own checks: strict dataclass fields, ValueErrors
+            raise ValueError(f"transformers' {model_type} config refuses {str(path)!r}: {err}") from err
     # A model type this transformers does not know: read the file's own fields.
     logger.info(
         "model_type %r unknown to transformers; reading %s field by field", model_type, path
@@ -418,6 +424,9 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         cfg = cfg.get_text_config(decoder=True)
     name = name or getattr(cfg, "model_type", None) or "config"
     notes: list[str] = []
+    if getattr(cfg, "model_type", None) in _ATTENTION_FREE_TYPES:
+        raise ValueError(f"config has no layer that holds a KV cache ({cfg.model_type}: a recurrent model, "
+                         "a fixed-size state per layer); nothing to estimate")  # fmt: skip
     layers = _require(cfg, "layer count", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
     heads = _require(cfg, "attention head count", "num_attention_heads", "n_head", "num_heads")
 
@@ -549,7 +558,7 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
         raise ValueError(f"config lists {len(types)} layer types for {layers} layers: {types!r}")
 
     kinds = []
-    state: dict[str, int] = {}
+    state: dict[str, int] = {}  # layer type -> count, of those without a KV cache
     for kind in types:
         if kind in _SLIDING_TYPES or kind in _COMPRESSED_TYPES:
             kinds.append("sliding")
@@ -581,11 +590,12 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
         why = "every layer reads K/V another model shares" if shared else f"layer types: {sorted(set(types))}"
         raise ValueError(f"config has no layer that holds a KV cache ({why}); nothing to estimate")
     if state:
-        others = ", ".join(f"{n} {k}" for k, n in state.items())
-        notes.append(
-            f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others ({others}) "
-            "keep a fixed-size state that is not counted"
-        )
+        # A MoE or MLP block listed as a layer (Nemotron-H) holds nothing; a recurrent one a state.
+        held = ", ".join(f"{n} {k}" for k, n in state.items() if k not in _NO_CACHE_TYPES)
+        none = ", ".join(f"{n} {k}" for k, n in state.items() if k in _NO_CACHE_TYPES)
+        others = " or ".join(([f"keep a fixed-size state that is not counted ({held})"] if held else [])
+                             + ([f"hold nothing ({none})"] if none else []))  # fmt: skip
+        notes.append(f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others {others}")
     if sliding:
         notes.append(
             f"sliding window {window} on {sliding} of {full + sliding} KV layers: "

@@ -479,6 +479,42 @@ def test_bad_config_files(tmp_path):
         kv_sizes(ssm_only)
 
 
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "rwkv", "xlstm"])
+def test_a_model_without_attention_has_no_cache_to_estimate(tmp_path, model_type):
+    """xLSTM's config has num_heads (its cells'): it was estimated as 32 KV layers of 8 heads of 512.
+    Mamba's and RWKV's were refused for a missing head count."""
+    from transformers import CONFIG_MAPPING
+
+    CONFIG_MAPPING[model_type]().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"no layer that holds a KV cache \\({model_type}: a recurrent model"):
+        kv_sizes(tmp_path)
+
+
+def test_a_config_save_pretrained_wrote_is_read_as_transformers_reads_it(tmp_path):
+    """Mamba-2 writes its time_step_limit's infinity as {"__float__": "Infinity"}, which the config class
+    refuses from a plain JSON load: the estimate failed with a traceback. Its layers hold no KV cache."""
+    from transformers import Mamba2Config
+
+    Mamba2Config().save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"no layer that holds a KV cache \(layer types: \['linear_attention'\]\)"):
+        kv_sizes(tmp_path)
+    broken = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**broken, "time_step_limit": "none"}))
+    with pytest.raises(ValueError, match="transformers' mamba2 config refuses .*config.json.*time_step_limit"):
+        kv_sizes(tmp_path)
+
+
+def test_a_hybrids_mlp_and_moe_layers_hold_nothing(tmp_path):
+    # Nemotron-H lists its MoE and MLP blocks as layers beside the Mamba and attention ones.
+    config = {**MHA_7B, "model_type": "x", "num_hidden_layers": 4,
+              "layer_types": ["linear_attention", "moe", "full_attention", "mlp"]}  # fmt: skip
+    sizes = kv_sizes(write_config(tmp_path, config))
+    assert sizes.layers == 1
+    assert ("hybrid: 1 of 4 layers hold a KV cache; the others keep a fixed-size state that is not counted "
+            "(1 linear_attention) or hold nothing (1 moe, 1 mlp)") in sizes.notes  # fmt: skip
+
+
 def test_run_rejects_mixed_or_missing_sources():
     with pytest.raises(ValueError, match="'llama'.*layers"):
         estimate.run(parse(["--model", "llama", "--layers", "4"]))
