@@ -301,7 +301,7 @@ def test_kv4_settings_reach_every_kv4_method_under_its_own(tmp_path, capsys):
     assert "kv4 methods with v_bits=8, k_layer_bits={0: 8}" in out and "chunk 32; no greedy; " in out
     with pytest.raises(SystemExit):  # valid for kv4, not over kv4-rot's own (no prefix statistics)
         main([*common, "--methods", "kv4,kv4-rot", "--kv4-setting", "k_prefix_tokens=128"])
-    assert "--kv4-setting on kv4-rot: prefix_tokens=128 needs center" in capsys.readouterr().err
+    assert "--kv4-setting on kv4-rot: K spec: prefix_tokens=128 needs center" in capsys.readouterr().err
 
 
 def test_method_names():
