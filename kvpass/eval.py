@@ -729,15 +729,15 @@ def run(args) -> int:
     if args.against is not None and args.against not in [m.name for m in methods]:
         raise ValueError(f"--against {args.against!r} is not among --methods {[m.name for m in methods]}")
     t_start = time.perf_counter()
+    # Read before the model's load, which takes seconds: a misnamed text is refused at once.
+    raw_texts = {name: text_data.load(name) for name in args.texts.split(",") if name.strip()}
+    raw_texts.update((Path(path).name, text_data.from_file(path)) for path in args.text_file)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     limit = model.config.max_position_embeddings
     if max(settings.contexts) > limit:
         raise ValueError(f"--contexts: {max(settings.contexts)} exceeds the model's {limit} positions")
     needed = max(settings.contexts) * settings.windows + settings.prompts * settings.prompt_tokens
-    sources = {name: (lambda n=name: text_data.load(n)) for name in args.texts.split(",") if name.strip()}
-    for path in args.text_file:
-        sources[Path(path).name] = lambda p=path: text_data.from_file(p)
-    texts = {name: tokenize_text(tokenizer, load(), needed) for name, load in sources.items()}
+    texts = {name: tokenize_text(tokenizer, text, needed) for name, text in raw_texts.items()}
     # What the tokenizer puts before any text (BOS for Gemma; nothing for SmolLM2).
     prefix = tokenizer("", return_tensors="pt").input_ids[0]
 

@@ -88,7 +88,12 @@ def python_code(files=STDLIB_FILES) -> str:
 
 
 def from_file(path: str | Path) -> str:
-    return Path(path).read_text(encoding="utf-8")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"cannot read text file {str(path)!r}: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"text file {str(path)!r} is not UTF-8 text ({err})") from err
 
 
 TEXTS = {"kjv": kjv, "code": python_code}

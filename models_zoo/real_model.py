@@ -132,8 +132,11 @@ def _converted_dir(model: str, gguf: Path) -> Path:
 
 
 def _load_saved(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as err:  # transformers' word for a file it wants and the directory lacks
+        raise FileNotFoundError(f"cannot load the model saved in {path}: {err}") from err
     return model.eval(), tokenizer
 
 

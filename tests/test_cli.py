@@ -343,6 +343,36 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         main(["-v", "explain", "llama9"])
 
 
+def test_eval_refuses_a_text_it_cannot_read_before_loading_the_model(monkeypatch, capsys, tmp_path):
+    """A missing --text-file was found after the model's load (seconds), in Python's words; a binary one
+    failed in the codec's, naming no file."""
+    from kvpass.models_zoo import real_model
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the texts were read")
+
+    monkeypatch.setattr(real_model, "load_model", load_model)
+    (tmp_path / "blob.bin").write_bytes(b"\x88\x89")
+    for argv, message in [
+        (["--text-file", str(tmp_path / "missing.txt")],
+         f"kvpass eval: error: cannot read text file '{tmp_path / 'missing.txt'}': No such file or directory"),
+        (["--text-file", str(tmp_path / "blob.bin")], f"error: text file '{tmp_path / 'blob.bin'}' is not UTF-8 text ("),
+        (["--texts", "kjv,nope"], "kvpass eval: error: unknown text 'nope': use one of ['code', 'kjv'] or a file path"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", "--methods", "fp", "--no-greedy", "--no-progress", *argv])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_model_directory_without_weights_is_named(capsys, tmp_path):
+    save_tiny_model(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # a config and a tokenizer, as for kvpass estimate
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--model", str(tmp_path), "--methods", "fp", "--no-greedy", "--no-progress"])
+    assert exit_info.value.code == 2
+    assert f"kvpass eval: error: cannot load the model saved in {tmp_path}: " in capsys.readouterr().err
+
+
 def test_a_model_whose_package_is_missing_names_the_install_command(monkeypatch, capsys):
     import importlib.util
 
