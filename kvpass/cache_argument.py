@@ -1,4 +1,5 @@
-"""The name a Hugging Face forward takes its KV cache by and returns it under.
+"""The name a Hugging Face forward takes its KV cache by and returns it under, and the cache's layers
+that hold K and V.
 
 transformers 5 renamed the forward argument and the output field ``past_key_values`` to ``cache``.
 In 5.24 (the release the tests pin) the old name still works, with a warning for each spelling,
@@ -27,3 +28,12 @@ def cache_arg(cache) -> dict:
 def returned_cache(out):
     """The KV cache a forward's or ``generate``'s output holds."""
     return getattr(out, cache_name())
+
+
+def kv_layers(cache) -> list:
+    """``cache``'s layers that hold K and V: not a hybrid model's convolution or linear-attention layers
+    (``LinearAttentionLayer``: a fixed-size state, no ``keys``), nor a layer nothing has written yet
+    (one that reads another layer's K and V)."""
+    import torch
+
+    return [layer for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor)]

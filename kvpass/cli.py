@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from kvpass import arguments, version
-from kvpass.cache_argument import returned_cache
+from kvpass.cache_argument import kv_layers, returned_cache
 
 log = logging.getLogger("kvpass")
 
@@ -100,9 +100,9 @@ def run_demo(args) -> None:
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, return_dict_in_generate=True)
     seconds = time.perf_counter() - start
 
-    fp_cache, cache = returned_cache(fp_out), returned_cache(out)
-    fp_bytes = sum(t.numel() * 2 for layer in fp_cache.layers for t in (layer.keys, layer.values))
-    stored = sum(t.stored_bytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    fp_layers, layers = kv_layers(returned_cache(fp_out)), kv_layers(returned_cache(out))
+    fp_bytes = sum(t.numel() * 2 for layer in fp_layers for t in (layer.keys, layer.values))
+    stored = sum(t.stored_bytes() for layer in layers for t in (layer.keys, layer.values))
     # Only the generated tokens: the prompt is equal by construction. Either run may end its sequence
     # early (a real model's end-of-sequence token), and not at the same step.
     new, fp_new = out.sequences[0, ids.shape[1] :], fp_out.sequences[0, ids.shape[1] :]
@@ -118,8 +118,8 @@ def run_demo(args) -> None:
     size = f"{fp_bytes / stored:.2f}x smaller" if stored < fp_bytes else f"{stored / fp_bytes:.2f}x larger"
     print(f"KV cache: fp16 {fp_bytes:,} bytes -> kv4 {stored:,} bytes ({stored / fp_bytes:.3f}x, {size}), "
           "counted from the stored tensors")  # fmt: skip
-    print(f"first layer keys: {cache.layers[0].keys!r}")
-    waiting = [layer.keys for layer in cache.layers if isinstance(layer.keys, PackedKV) and layer.keys.waiting]
+    print(f"keys of the first layer that holds K and V: {layers[0].keys!r}")
+    waiting = [layer.keys for layer in layers if isinstance(layer.keys, PackedKV) and layer.keys.waiting]
     if waiting:
         print(f"K is held unquantized until a cache holds {waiting[0].spec.prefix_tokens} tokens, which fix its "
               "sinks, offset and query scales: a longer prompt or more new tokens stores it in int4")  # fmt: skip

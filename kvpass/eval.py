@@ -90,7 +90,7 @@ from typing import Callable
 import torch
 
 from kvpass import arguments, cpu_steps, version
-from kvpass.cache_argument import cache_arg, returned_cache
+from kvpass.cache_argument import cache_arg, kv_layers, returned_cache
 from kvpass.config import WINDOW_BLOCK, QuantSpec
 from kvpass.simulate import FpTokens
 from kvpass.tables import render_table
@@ -278,9 +278,10 @@ class Runner:
             return
         from kvpass.packed import PackedKV
 
-        for i, layer in enumerate(cache.layers):
+        for layer in kv_layers(cache):
             if not isinstance(layer.keys, PackedKV) or not isinstance(layer.values, PackedKV):
-                raise RuntimeError(f"kv4 did not take effect: layer {i} holds {type(layer.keys).__name__}")
+                index = cache.layers.index(layer)
+                raise RuntimeError(f"kv4 did not take effect: layer {index} holds {type(layer.keys).__name__}")
         for graph in self.backend.graphs:
             bad = [s for s in graph.sites if s.left_fp16]
             if bad:
@@ -292,7 +293,7 @@ def cache_bytes(cache) -> int | None:
     from kvpass.packed import PackedKV
 
     total = 0
-    for layer in cache.layers:
+    for layer in kv_layers(cache):
         tensors = [layer.keys, layer.values]
         for name in ("_quantized_keys", "_quantized_values"):
             q = getattr(layer, name, None)

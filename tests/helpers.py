@@ -167,13 +167,28 @@ def hub_cache(root, monkeypatch, repo_id: str, commit: str = "0" * 40):
 def save_tiny_model(directory, head_dim: int = 8) -> None:
     """A 1-layer Llama (2 query heads, 1 KV head) and a 32-word tokenizer (words split at spaces), as
     ``save_pretrained`` writes them."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=32, hidden_size=2 * head_dim, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(32)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    _save_word_tokenizer(directory, 32)
+
+
+def save_zoo_model(directory, name: str) -> None:
+    """models_zoo model ``name`` and a tokenizer of its vocabulary's words ``t0``, ``t1``, ..., as
+    ``save_pretrained`` writes them."""
+    from kvpass.models_zoo import build
+
+    model = build(name)
+    model.save_pretrained(directory)
+    _save_word_tokenizer(directory, model.config.vocab_size)
+
+
+def _save_word_tokenizer(directory, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(directory)

@@ -187,28 +187,45 @@ def test_attention_bench_reads_the_default_layout():
     assert read < 0.31 * (timed["sdpa fp16 (flash)"][1] - 2 * query)
 
 
-# K and V with K's query scales (128-channel heads: K's spec with all its extras); two MLA latents, each with V's spec
-@pytest.mark.parametrize("name", ["llama_hd128", "deepseek_v3"])
+# K and V with K's query scales (128-channel heads: K's spec with all its extras); two MLA latents, each with V's
+# spec; a convolution layer (no K and V) and an attention one
+@pytest.mark.parametrize("name", ["llama_hd128", "deepseek_v3", "lfm2"])
 def test_decode_fast_fill_stores_each_layer_as_a_prefill_does(name):
-    from transformers import DynamicCache
-
     from kvpass import bench
+    from kvpass.cache_argument import kv_layers
     from kvpass.models_zoo import build
 
     model = build(name)
     step, new_cache = bench.stepper(model, "kv4")
     with torch.no_grad():
         prompt = bench.fill(step, new_cache(), 1, 80, vocab=model.config.vocab_size)
-        fp = bench.fill(model, DynamicCache(), 1, 80, vocab=model.config.vocab_size)
+        fp = bench.fill(model, bench.dynamic_cache(model), 1, 80, vocab=model.config.vocab_size)
     packed = decode._pack(fp, bench.fill(step, new_cache(), 1, 2, vocab=model.config.vocab_size),
                           model.config.num_attention_heads)  # fmt: skip
-    for real, fast in zip(prompt.layers, packed.layers):
+    assert [type(layer) for layer in packed.layers] == [type(layer) for layer in prompt.layers]
+    for real, fast in zip(kv_layers(prompt), kv_layers(packed)):
         for role in ("keys", "values"):
             assert getattr(fast, role).spec == getattr(real, role).spec
             # The keys stand in for the queries: a query-scaled K holds scales, as after a real prefill.
             scales = [getattr(layer, role).query_scales for layer in (real, fast)]
             assert [s is None for s in scales] == [True, True] or scales[0].shape == scales[1].shape
-    assert any(layer.keys.query_scales is not None for layer in packed.layers) == (name == "llama_hd128")
+    assert any(layer.keys.query_scales is not None for layer in kv_layers(packed)) == (name == "llama_hd128")
+
+
+@pytest.mark.parametrize("method", ["fp", "kv4"])
+def test_decode_caches_are_laid_out_as_generates(method):
+    """Filled into a bare ``DynamicCache``, a sliding layer kept every token (Gemma 3's 15 sliding layers
+    of 18 read the whole context, not their 511), and a hybrid's convolution layers had no cache layer
+    (LFM2: every method "not run: IndexError")."""
+    from kvpass.models_zoo import build
+
+    run = decode.prepare(build("gemma3"), method, 100, warmup=1)  # a sliding layer of window 32, a full one
+    assert [layer.keys.shape[2] for layer in run["cache"].layers] == [31, 101]
+    model = build("lfm2")  # a convolution layer, then an attention one
+    (row,) = decode.run_grid([method], [64], warmup=1, steps=2, chunk=32, model=model)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    fp_bytes = (64 + 1 + 2) * model.config.num_key_value_heads * head_dim * 2 * 4  # one attention layer, fp32
+    assert row["stored_bytes"] == fp_bytes if method == "fp" else row["stored_bytes"] < 0.35 * fp_bytes
 
 
 def test_cli_arguments_parse():

@@ -3,6 +3,7 @@
 import argparse
 import inspect
 import itertools
+import json
 import os
 import re
 import shlex
@@ -11,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from kvpass import arguments, cli
 from kvpass.cli import main, parse
-from tests.helpers import benchmark_script, save_tiny_model
+from tests.helpers import benchmark_script, save_tiny_model, save_zoo_model
 
 
 def test_explain_prints_site_tables_and_diffs(capsys):
@@ -341,6 +343,27 @@ def test_bad_input_is_named_with_the_accepted_values_and_no_traceback(capsys):
         assert re.search(message, capsys.readouterr().err)
     with pytest.raises(FileNotFoundError, match="nor is it a models_zoo name"):  # --verbose keeps the traceback
         main(["-v", "explain", "llama9"])
+
+
+def test_eval_and_demo_run_a_hybrid_model(capsys, tmp_path):
+    """LFM2: a convolution layer (a fixed-size state, no K and V) before an attention layer. eval's bytes
+    and kv4 check read every layer's keys: every method was "not run: AttributeError"; so did demo."""
+    torch._dynamo.reset()
+    save_zoo_model(tmp_path / "model", "lfm2")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"t{i * 7 % 250 + 1}" for i in range(600)))
+    assert main(["eval", "--model", str(tmp_path / "model"), "--texts", "", "--text-file", str(text), "--methods",
+                 "fp,kv4", "--contexts", "128", "--chunk", "32", "--prompts", "1", "--prompt-tokens", "64",
+                 "--new-tokens", "4", "--no-progress", "--json", str(tmp_path / "eval.json")]) == 0  # fmt: skip
+    rows = {row["method"]: row for row in json.loads((tmp_path / "eval.json").read_text())["rows"]}
+    assert all("error" not in row for row in rows.values()), rows
+    config = AutoConfig.from_pretrained(tmp_path / "model")
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert rows["fp"]["kv_bytes_per_token"] == config.num_key_value_heads * head_dim * 2 * 4  # one attention layer
+    assert rows["kv4"]["kv_bytes_per_token"] < 0.35 * rows["fp"]["kv_bytes_per_token"]
+    capsys.readouterr()
+    assert main(["demo", "--model", "lfm2", "--prompt-tokens", "70", "--new-tokens", "2"]) == 0
+    assert "keys of the first layer that holds K and V: PackedKV(shape=(1, 2, 71, 16)" in capsys.readouterr().out
 
 
 def test_eval_refuses_a_text_it_cannot_read_before_loading_the_model(monkeypatch, capsys, tmp_path):

@@ -8,6 +8,7 @@ about 40 MB of weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -56,22 +57,31 @@ def fp16_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
 
 
-def stepper(model, how: str, kv4_settings: dict | None = None):
-    """``(step, new_cache)`` for a cache kind of :data:`CACHES` (``kv4``: ``kvpass.kv4(**kv4_settings)``)."""
+def dynamic_cache(model):
+    """An empty ``DynamicCache`` laid out by ``model``'s config, as ``generate`` makes one: without the
+    config every layer is a full one (a sliding layer keeps every token) and a hybrid's recurrent layers
+    are missing."""
     from transformers import DynamicCache
 
+    return DynamicCache(config=model.config)
+
+
+def stepper(model, how: str, kv4_settings: dict | None = None):
+    """``(step, new_cache)`` for a cache kind of :data:`CACHES` (``kv4``: ``kvpass.kv4(**kv4_settings)``)."""
+    # The layers generate would make: sliding ones that keep their window, a hybrid's recurrent ones.
+    new_cache = functools.partial(dynamic_cache, model)
     if how == "dynamic":
-        return model, DynamicCache
+        return model, new_cache
     if how == "compiled":
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(model, backend="eager", dynamic=None), DynamicCache
+        return torch.compile(model, backend="eager", dynamic=None), new_cache
     if how == "kv4":
         import kvpass
 
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(model, backend=kvpass.kv4(**(kv4_settings or {}))), DynamicCache
+        return torch.compile(model, backend=kvpass.kv4(**(kv4_settings or {}))), new_cache
     if how == "quanto":
         from transformers import QuantizedCache
 

@@ -33,6 +33,7 @@ import time
 import torch
 
 from kvpass import arguments, version
+from kvpass.cache_argument import kv_layers
 from kvpass.tables import render_table
 
 DEFAULT_METHODS = "fp,fp-compiled,kv4,quanto"
@@ -48,7 +49,7 @@ def _pack(cache, like, query_heads: int):
     heads' specs, per-layer K bits); a layer left fp16 stays so."""
     from kvpass.packed import PackedKV
 
-    for layer, stored in zip(cache.layers, like.layers):
+    for layer, stored in zip(kv_layers(cache), kv_layers(like)):
         for name in ("keys", "values"):
             fp, spec = getattr(layer, name), getattr(getattr(stored, name), "spec", None)
             if spec is None:
@@ -67,7 +68,6 @@ def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill:
     ``dict(method, step, cache, device, fill_s, warmup_s)`` for :func:`time_steps`; ``stepper``: the
     method's :func:`kvpass.bench.stepper` if made already."""
     from kvpass import bench
-    from transformers import DynamicCache
 
     how, settings = _HOW[method], _KV4_SETTINGS.get(method, {})
     step, new_cache = stepper or bench.stepper(model, how, settings)
@@ -76,7 +76,7 @@ def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill:
         stored = bench.fill(step, new_cache(), batch, 2, vocab=vocab, device=device)  # what each layer stores
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
-        cache = bench.fill(model, DynamicCache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
+        cache = bench.fill(model, bench.dynamic_cache(model), batch, ctx, chunk=chunk, vocab=vocab, device=device)
         cache = _pack(cache, stored, model.config.num_attention_heads)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
@@ -123,7 +123,7 @@ def summarize(run: dict, times: list[float], ctx: int, batch: int, warmup: int) 
     if _HOW[run["method"]] == "kv4":
         from kvpass.packed import PackedKV
 
-        if not isinstance(run["cache"].layers[0].keys, PackedKV):
+        if not isinstance(kv_layers(run["cache"])[0].keys, PackedKV):
             raise RuntimeError("kv4 did not take effect: the cache holds plain tensors")
     times = sorted(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
