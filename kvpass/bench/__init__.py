@@ -68,7 +68,6 @@ def dynamic_cache(model):
 
 def stepper(model, how: str, kv4_settings: dict | None = None):
     """``(step, new_cache)`` for a cache kind of :data:`CACHES` (``kv4``: ``kvpass.kv4(**kv4_settings)``)."""
-    # The layers generate would make: sliding ones that keep their window, a hybrid's recurrent ones.
     new_cache = functools.partial(dynamic_cache, model)
     if how == "dynamic":
         return model, new_cache
