@@ -201,7 +201,7 @@ def test_decode_fast_fill_stores_each_layer_as_a_prefill_does(name):
         prompt = bench.fill(step, new_cache(), 1, 80, vocab=model.config.vocab_size)
         fp = bench.fill(model, bench.dynamic_cache(model), 1, 80, vocab=model.config.vocab_size)
     packed = decode._pack(fp, bench.fill(step, new_cache(), 1, 2, vocab=model.config.vocab_size),
-                          model.config.num_attention_heads)  # fmt: skip
+                          model.config.num_attention_heads, 80)  # fmt: skip
     assert [type(layer) for layer in packed.layers] == [type(layer) for layer in prompt.layers]
     for real, fast in zip(kv_layers(prompt), kv_layers(packed)):
         for role in ("keys", "values"):
@@ -210,6 +210,31 @@ def test_decode_fast_fill_stores_each_layer_as_a_prefill_does(name):
             scales = [getattr(layer, role).query_scales for layer in (real, fast)]
             assert [s is None for s in scales] == [True, True] or scales[0].shape == scales[1].shape
     assert any(layer.keys.query_scales is not None for layer in kv_layers(packed)) == (name == "llama_hd128")
+
+
+def test_decode_fast_fill_past_a_sliding_window_starts_where_a_prefill_leaves():
+    """A prompt past a sliding layer's window has evicted its first tokens, K's sinks among them. The fast
+    fill took the window's first tokens as sinks, which left over the first decode steps, a graph or two
+    with them: Gemma 3's 512-token row compiled 2 while timed."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpass.models_zoo import config
+
+    cfg = config("gemma3")
+    cfg.sliding_window = 100  # over K's 64-token prefix, as real windows are (the zoo's 32 is not)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    fast, real = (decode.prepare(model, "kv4", 160, warmup=0, fill=fill)["cache"] for fill in ("fast", "real"))
+    for fast_layer, real_layer in zip(fast.layers, real.layers):
+        for role in ("keys", "values"):
+            a, b = getattr(fast_layer, role), getattr(real_layer, role)
+            # filled_pads aside: a real prefill's sliding site is handed a mask, and records that it had no pads
+            parts = [name for name in a.__tensor_flatten__()[0] if name != "filled_pads"]
+            assert [getattr(a, n).shape for n in parts] == [getattr(b, n).shape for n in parts], (role, a, b)
+    assert fast.layers[0].keys.head.shape[2] == 0  # the sliding layer's sinks are gone, as in the prefill's
+    (row,) = decode.run_grid(["kv4"], [160], warmup=3, steps=6, chunk=64, model=model)
+    assert row["graphs_compiled"] == 0
 
 
 @pytest.mark.parametrize("method", ["fp", "kv4"])

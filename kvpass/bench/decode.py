@@ -43,10 +43,10 @@ _HOW = {"fp": "dynamic", "fp-compiled": "compiled", "kv4": "kv4", "kv4-qr": "kv4
 _KV4_SETTINGS = {"kv4-qr": dict(k_query_rounded=True), "kv4-r0": dict(refine=0), "kv4-inductor": dict(inner="inductor")}
 
 
-def _pack(cache, like, query_heads: int):
-    """``cache``'s fp layers stored as the compiled model stored ``like``'s (a short prompt's cache), layer
-    by layer and with their specs: what a real prefill would store (MLA latents with V's spec, narrow
-    heads' specs, per-layer K bits); a layer left fp16 stays so."""
+def _pack(cache, like, query_heads: int, tokens: int):
+    """``cache``'s fp layers, filled with ``tokens`` tokens, stored as the compiled model stored ``like``'s
+    (a short prompt's cache), layer by layer and with their specs: what a real prefill would store (MLA
+    latents with V's spec, narrow heads' specs, per-layer K bits); a layer left fp16 stays so."""
     from kvpass.packed import PackedKV
 
     for layer, stored in zip(kv_layers(cache), kv_layers(like)):
@@ -54,10 +54,17 @@ def _pack(cache, like, query_heads: int):
             fp, spec = getattr(layer, name), getattr(getattr(stored, name), "spec", None)
             if spec is None:
                 continue
+            # A sliding layer past its window has evicted the prompt's first tokens, its sinks among them:
+            # the window's first tokens stand in for them, and leave as they did, so decode starts from
+            # the structure a real prefill leaves (no sinks), not one its first steps would change.
+            evicted = spec.sinks if fp.shape[2] < tokens else 0
+            if evicted:
+                fp = torch.cat([fp[:, :, :evicted], fp], dim=2)
             # The fill's queries are gone; the keys stand in for them, so a query-scaled K holds scales
             # and decode reads them as after a real prefill (latency does not depend on their values).
             query = fp.repeat_interleave(query_heads // fp.shape[1], dim=1) if spec.query_scaled else None
-            setattr(layer, name, PackedKV.from_float(fp, spec, query))
+            packed = PackedKV.from_float(fp, spec, query)
+            setattr(layer, name, packed[:, :, evicted:] if evicted else packed)
     return cache
 
 
@@ -77,7 +84,7 @@ def prepare(model, method: str, ctx: int, batch: int = 1, warmup: int = 3, fill:
     t0 = time.perf_counter()
     if how == "kv4" and fill == "fast":
         cache = bench.fill(model, bench.dynamic_cache(model), batch, ctx, chunk=chunk, vocab=vocab, device=device)
-        cache = _pack(cache, stored, model.config.num_attention_heads)
+        cache = _pack(cache, stored, model.config.num_attention_heads, ctx)
     else:
         cache = bench.fill(step, new_cache(), batch, ctx, chunk=chunk, vocab=vocab, device=device)
     _synchronize(device)
