@@ -31,7 +31,7 @@ def measure(model_type: str, prompt: int) -> dict:
     import kvpass
     from kvpass.cache_argument import cache_arg
     from kvpass.coverage import causal_lm, tiny_config
-    from kvpass.estimate import DEEPSEEK_V4_STATE, kv_cache_bytes
+    from kvpass.estimate import kv_cache_bytes, unquantized_state_bytes
     from kvpass.packed import PackedKV
 
     config = tiny_config(model_type)
@@ -46,13 +46,13 @@ def measure(model_type: str, prompt: int) -> dict:
     with torch.no_grad():
         step(input_ids=ids, **cache_arg(cache), use_cache=True)
     # A hybrid's recurrent layers hold no K/V; an attention layer's tensors are 4-D, K and V one tensor in
-    # DeepSeek-V4's layers (counted once), beside its compressors' state, which stays in bf16.
+    # DeepSeek-V4's layers (counted once), beside its compressors' state and the sparse-attention indexers'
+    # keys, which kvpass leaves as the model writes them.
     tensors = {id(t): t for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                if isinstance(t, torch.Tensor) and t.dim() == 4}.values()  # fmt: skip
     if not all(isinstance(t, PackedKV) for t in tensors):
         raise TypeError(f"the cache holds {sorted({type(t).__name__ for t in tensors})}, not only PackedKV")
-    state = sum(t.numel() * t.element_size() for layer in cache.layers for name in DEEPSEEK_V4_STATE
-                for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip
+    state = unquantized_state_bytes(cache)
     return {
         "stored": state + sum(t.stored_bytes() for t in tensors),
         "estimate": kv_cache_bytes(config, "kv4", prompt, BATCH),

@@ -4,10 +4,11 @@ The cache holds, per sequence, per layer with attention, ``kv_heads * (k_head_di
 v_head_dim)`` elements per token. What varies between models is how many layers hold a
 growing cache (hybrid models keep only a fixed-size recurrent/convolution state in the
 others), how many tokens a sliding-window layer keeps, and how many KV heads there are
-(GQA/MQA). Sizes come from a Hugging Face config (a local directory or config.json, a
-``kvpass.models_zoo`` name, a ``PretrainedConfig``, or a model ``kvpass eval`` loads: ``smollm2``,
-a ``.gguf`` file or a hub id the local Hugging Face cache holds) or from explicit ``(layers, kv_heads,
-head_dim)``.
+(GQA/MQA). What some caches hold beside K/V (DeepSeek-V4's compressors, sparse-attention
+indexers' keys) kvpass leaves as the model writes it, costed alike in every format. Sizes come
+from a Hugging Face config (a local directory or config.json, a ``kvpass.models_zoo`` name, a
+``PretrainedConfig``, or a model ``kvpass eval`` loads: ``smollm2``, a ``.gguf`` file or a hub id
+the local Hugging Face cache holds) or from explicit ``(layers, kv_heads, head_dim)``.
 
 kv4 is costed as the backend's default stores it (other ``kvpass.kv4`` settings through
 ``kv4_settings``, ``--kv4-setting NAME=VALUE``; unquantized tokens in 16 bits, as a 16-bit model
@@ -36,7 +37,7 @@ import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from kvpass.config import (
     MIN_EXTRAS_HEAD_DIM, PREFIX_MIN_TOKENS, REFINE_SHARE, SHORT_PREFIX_MIN_TOKENS, SHORT_PREFIX_SINKS, KVConfig,
@@ -63,7 +64,8 @@ DEFAULT_BATCHES = (1,)
 
 # Layer types as transformers' configs spell them (`layer_types`, or Jamba/Bamba-style
 # `layers_block_type`). Anything that is neither attention kind keeps a fixed-size state.
-_FULL_TYPES = {"full_attention", "attention", "global", "global_attention", "hybrid"}
+# A DSA layer ("indexed_attention") holds every token's K/V, as a full one does, beside its indexer's keys.
+_FULL_TYPES = {"full_attention", "attention", "global", "global_attention", "hybrid", "indexed_attention"}
 _SLIDING_TYPES = {"sliding_attention", "sliding", "local", "local_attention", "hybrid_sliding"}
 _CHUNKED_TYPES = {"chunked_attention"}
 _STATE_TYPES = {"linear_attention", "conv", "mamba", "mamba2", "ssm", "recurrent", "rwkv"}
@@ -77,6 +79,9 @@ _KV_KINDS = ("full", "sliding")
 _COMPRESSED_TYPES = {"heavily_compressed_attention", "compressed_sparse_attention"}
 # The cache layer's dicts of compressor state, `Compressor.bytes` of them.
 DEEPSEEK_V4_STATE = ("compressed_kv", "buffer_kv", "buffer_gate", "overlap_kv", "overlap_gate")
+# What transformers' DynamicIndexedLayer holds beside K/V: a sparse-attention indexer's keys, and the
+# positions Qwen4-Exp's indexers read (on its first indexed layer only).
+INDEXER_STATE = ("indexer_keys", "indexer_position_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +115,9 @@ class KVSizes:
     ``sliding_shape``: ``(KV heads, K head dim, V head dim)`` of the sliding layers where they differ
     from the full layers' (Gemma 4, Inkling, MiMo-V2-Flash). ``one_tensor``: K and V are one tensor,
     stored once with K's settings (DeepSeek-V4's); ``compressors``: every layer's compressor state, which
-    the cache holds in 16 bits in every format (DeepSeek-V4's). ``notes`` explain how the figures were
-    derived.
+    the cache holds in 16 bits in every format (DeepSeek-V4's). ``indexer_bytes``: what one token adds to
+    the sparse-attention indexers' caches of all layers (DeepSeek-V3.2's DSA and its kin), which kvpass
+    leaves as the model writes them, in every format. ``notes`` explain how the figures were derived.
     """
 
     layers: int
@@ -127,10 +133,12 @@ class KVSizes:
     sliding_shape: tuple[int, int, int] | None = None
     one_tensor: bool = False
     compressors: tuple[Compressor, ...] = ()
+    indexer_bytes: int = 0
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
-            _check_positive_int(field, getattr(self, field))
+            if not (field == "v_head_dim" and self.latent and self.v_head_dim == 0):  # NoPE MLA: no rotary key
+                _check_positive_int(field, getattr(self, field))
         for value in self.sliding_shape or ():
             _check_positive_int("sliding_shape", value)
         if not isinstance(self.sliding_layers, int) or not 0 <= self.sliding_layers <= self.layers:
@@ -272,12 +280,13 @@ def kv_bytes_per_token(
     """
     sizes = kv_sizes(source)
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
-    compressed = sum(2 * c.dim / c.rate for c in sizes.compressors)  # a 16-bit entry every rate tokens
+    # The compressors' 16-bit entry every rate tokens, and the indexers' keys, in every format.
+    unquantized = sum(2 * c.dim / c.rate for c in sizes.compressors) + sizes.indexer_bytes
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        return compressed + sum(_layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
-                                for kind in sizes.layer_kinds() if kind in _KV_KINDS)  # fmt: skip
-    return compressed + sum(
+        return unquantized + sum(_layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
+                                 for kind in sizes.layer_kinds() if kind in _KV_KINDS)  # fmt: skip
+    return unquantized + sum(
         _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec), sizes.one_tensor)
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
     )
@@ -307,18 +316,27 @@ def kv_cache_bytes(
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     sizes = kv_sizes(source)
     held = {"full": context, "sliding": sizes.sliding_held(context)}
-    compressed = batch * sum(c.bytes(context) for c in sizes.compressors)
+    unquantized = batch * (sum(c.bytes(context) for c in sizes.compressors) + context * sizes.indexer_bytes)
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
         kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
-        return compressed + batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
-                                        for kind in kinds)  # fmt: skip
+        return unquantized + batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
+                                         for kind in kinds)  # fmt: skip
     slots = 1 if sizes.one_tensor else 2  # K's alone where K and V are one tensor
-    return compressed + batch * sum(
+    return unquantized + batch * sum(
         _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
         for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
         for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[:slots]
     )
+
+
+def unquantized_state_bytes(cache: Any) -> int:
+    """Bytes a transformers cache holds beside its K/V that the estimate costs alike in every format:
+    DeepSeek-V4's compressors' state (:data:`DEEPSEEK_V4_STATE`) and the sparse-attention indexers' keys
+    and positions (:data:`INDEXER_STATE`)."""
+    tensors = [t for layer in cache.layers for name in DEEPSEEK_V4_STATE for t in getattr(layer, name, {}).values()]
+    tensors += [getattr(layer, name, None) for layer in cache.layers for name in INDEXER_STATE]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 # ----------------------------------------------------------------------------- sources
@@ -428,26 +446,26 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         raise ValueError(f"config has no layer that holds a KV cache ({cfg.model_type}: a recurrent model, "
                          "a fixed-size state per layer); nothing to estimate")  # fmt: skip
     layers = _require(cfg, "layer count", "num_hidden_layers", "n_layer", "num_layers", "n_layers")
-    heads = _require(cfg, "attention head count", "num_attention_heads", "n_head", "num_heads")
+    query_heads = sorted(set(_global_or_per_layer(cfg, _query_heads)))
+    heads = "/".join(map(str, query_heads))
+    latent = any(rank is not None for rank in _global_or_per_layer(cfg, lambda c: _get(c, "kv_lora_rank")))
 
-    if _get(cfg, "kv_lora_rank") is not None:
+    kinds, window = _layer_layout(cfg, layers, notes)
+    indexer_bytes = _indexer_token_bytes(cfg, notes)
+    shapes = _shapes_by_kind(cfg, kinds, _latent_shape if latent else _attention_shape)
+    kv_heads, k_dim, v_dim = shapes.get("full", shapes.get("sliding"))
+    sliding_shape, compressors = None, ()
+    if shapes.get("sliding", (kv_heads, k_dim, v_dim)) != (kv_heads, k_dim, v_dim):
+        sliding_shape = shapes["sliding"]
+        notes.append("sliding layers: {}, K dim {}, V dim {}".format(_plural(sliding_shape[0], "KV head"),
+                                                                     *sliding_shape[1:]))
+    if latent:
         # transformers' MLA models cache the compressed latent and the shared rotary key,
         # one of each per layer, in the K and V slots of a single "head".
-        kv_heads = 1
-        k_dim = _require(cfg, "MLA latent rank", "kv_lora_rank")
-        v_dim = _require(cfg, "MLA rotary key dim", "qk_rope_head_dim")
-        notes.append(
-            f"MLA: the cache holds the {k_dim}-dim latent (K slot) and the {v_dim}-dim "
-            f"rotary key (V slot) once per layer, not per head ({heads} query heads); kv4 stores both with V's settings"
-        )
-    kinds, window = _layer_layout(cfg, layers, notes)
-    sliding_shape, compressors = None, ()
-    if _get(cfg, "kv_lora_rank") is None:
-        shapes = _shapes_by_kind(cfg, heads, kinds)
-        kv_heads, k_dim, v_dim = shapes.get("full", shapes.get("sliding"))
-        if shapes.get("sliding", (kv_heads, k_dim, v_dim)) != (kv_heads, k_dim, v_dim):
-            sliding_shape = shapes["sliding"]
-            notes.append("sliding layers: {} KV heads, K dim {}, V dim {}".format(*sliding_shape))
+        rotary = f"the {v_dim}-dim rotary key (V slot)" if v_dim else "no rotary key (V's slot is empty)"
+        notes.insert(0, f"MLA: the cache holds the {k_dim}-dim latent (K slot) and {rotary} once per layer, not per "
+                        f"head ({heads} query heads); kv4 stores both with V's settings")  # fmt: skip
+    else:
         compressors = _compressors(cfg, k_dim)
         if compressors:
             kv_heads = 1  # one K=V head, whatever num_key_value_heads says (DeepSeek-V4's modeling code)
@@ -457,9 +475,9 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
             notes.append(f"DeepSeek-V4: each layer's sliding window holds K and V as one tensor of 1 head (kv4: K's "
                          f"settings); its compressor's entries ({counts}; with an indexer's in CSA layers) stay in "
                          "16 bits in every format, as kvpass leaves them")  # fmt: skip
-        if kv_heads == 1 and heads > 1:
+        if kv_heads == 1 and query_heads[0] > 1:
             notes.append(f"MQA: 1 KV head shared by {heads} query heads")
-        elif kv_heads < heads:
+        elif kv_heads < query_heads[0]:
             notes.append(f"GQA: {kv_heads} KV heads for {heads} query heads")
     return KVSizes(
         layers=sum(kind in _KV_KINDS for kind in kinds),
@@ -471,26 +489,37 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         name=name,
         notes=tuple(notes),
         kinds=kinds,
-        latent=_get(cfg, "kv_lora_rank") is not None,
+        latent=latent,
         sliding_shape=sliding_shape,
         one_tensor=bool(compressors),
         compressors=compressors,
+        indexer_bytes=indexer_bytes,
     )
 
 
-def _shapes_by_kind(cfg: Any, heads: int, kinds: tuple[str, ...]) -> dict[str, tuple[int, int, int]]:
-    """``{kind: (KV heads, K head dim, V head dim)}`` of the attention layers. A config whose layers
-    differ declares them per layer (``per_layer_config``; Gemma 4's full layers have wider heads, and
-    its global ``head_dim`` raises); sliding layers may have their own ``swa_*`` sizes (Inkling)."""
+def _global_or_per_layer(cfg: Any, read: Callable[[Any], Any]) -> list:
+    """``[read(cfg)]``, or ``read`` of every layer's config where the config declares what it reads per
+    layer (``per_layer_config``: transformers raises ``AmbiguousGlobalPerLayerAttributeError`` for the
+    global value; Gemma 4's head_dim, Dots3's head counts and MLA ranks)."""
     per_layer = getattr(cfg, "per_layer_config", None)
     try:
-        shapes = {kind: {_attention_shape(cfg, heads)} for kind in kinds}
+        return [read(cfg)]
     except Exception as err:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError, by name
         if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError" or per_layer is None:
             raise
-        shapes = {}
-        for layer, kind in zip(per_layer, kinds):
-            shapes.setdefault(kind, set()).add(_attention_shape(layer, heads))
+        return [read(layer) for layer in per_layer]
+
+
+def _shapes_by_kind(
+    cfg: Any, kinds: tuple[str, ...], read: Callable[[Any], tuple[int, int, int]]
+) -> dict[str, tuple[int, int, int]]:
+    """``{kind: (KV heads, K head dim, V head dim)}`` of the attention layers, each ``read`` from the
+    config or from its layers' (:func:`_global_or_per_layer`); sliding layers may have their own
+    ``swa_*`` sizes (Inkling)."""
+    found = _global_or_per_layer(cfg, read)
+    shapes: dict[str, set] = {}
+    for kind, shape in zip(kinds, found * len(kinds) if len(found) == 1 else found):
+        shapes.setdefault(kind, set()).add(shape)
     shapes = {kind: found for kind, found in shapes.items() if kind in _KV_KINDS}
     mixed = {kind: sorted(found) for kind, found in shapes.items() if len(found) > 1}
     if mixed:
@@ -508,8 +537,22 @@ def _shapes_by_kind(cfg: Any, heads: int, kinds: tuple[str, ...]) -> dict[str, t
     return by_kind
 
 
-def _attention_shape(cfg: Any, heads: int) -> tuple[int, int, int]:
+def _query_heads(cfg: Any) -> int:
+    return _require(cfg, "attention head count", "num_attention_heads", "n_head", "num_heads")
+
+
+def _latent_shape(cfg: Any) -> tuple[int, int, int]:
+    """An MLA layer's cache as kvpass holds it: one "head" of the latent (K slot) and of the rotary key (V
+    slot), which GLM-5-next's layers without RoPE leave empty."""
+    rotary = _get(cfg, "qk_rope_head_dim")
+    if rotary != 0:
+        rotary = _require(cfg, "MLA rotary key dim", "qk_rope_head_dim")
+    return 1, _require(cfg, "MLA latent rank", "kv_lora_rank"), rotary
+
+
+def _attention_shape(cfg: Any) -> tuple[int, int, int]:
     """``(KV heads, K head dim, V head dim)`` of a config's attention, or of one layer's."""
+    heads = _query_heads(cfg)
     kv_heads = _kv_heads(cfg, heads)
     head_dim = _get(cfg, "head_dim")
     if head_dim is None:
@@ -559,6 +602,7 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
 
     kinds = []
     state: dict[str, int] = {}  # layer type -> count, of those without a KV cache
+    unknown: collections.Counter[str] = collections.Counter()
     for kind in types:
         if kind in _SLIDING_TYPES or kind in _COMPRESSED_TYPES:
             kinds.append("sliding")
@@ -570,8 +614,11 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
             state[kind] = state.get(kind, 0) + 1
         else:
             if kind not in _FULL_TYPES:
-                notes.append(f"unknown layer type {kind!r} counted as full attention")
+                unknown[kind] += 1
             kinds.append("full")
+    if unknown:
+        counted = ", ".join(f"{kind!r} ({_plural(n, 'layer')})" for kind, n in unknown.items())
+        notes.append(f"unknown layer types counted as full attention: {counted}")
     kinds += _loop_cache_layers(cfg, kinds, notes)
     sliding = kinds.count("sliding")
     if sliding and not window:
@@ -630,6 +677,31 @@ def _compressors(cfg: Any, head_dim: int) -> tuple[Compressor, ...]:
             index_dim = _require(cfg, "indexer head dim", "index_head_dim")
             found += [Compressor(rates[kind], head_dim, True), Compressor(rates[kind], index_dim, True)]
     return tuple(found)
+
+
+def _indexer_token_bytes(cfg: Any, notes: list[str]) -> int:
+    """Bytes one token adds to the caches of the sparse-attention indexers (transformers'
+    ``DynamicIndexedLayer``): each ``indexed_attention`` layer that runs its own indexer (not a ``"shared"``
+    one of ``indexer_types``) keeps a key of ``index_head_dim`` values per token in 16 bits; GLM-5-next packs
+    a pooling gate as wide and a valid flag beside it (``index_kpool``); Qwen4-Exp keeps its indexer's
+    KV heads' keys, and 3 int64 positions per token once; Dots3's are fp32 (below)."""
+    types = list(_get(cfg, "layer_types") or ())
+    modes = _get(cfg, "indexer_types") or ["full"] * len(types)
+    indexed = sum(kind == "indexed_attention" and mode != "shared" for kind, mode in zip(types, modes))
+    if not indexed:
+        return 0
+    width, positions = _require(cfg, "indexer head dim", "index_head_dim", "indexer_head_dim"), 0
+    if _get(cfg, "indexer_head_dim") is not None:
+        width *= _get(cfg, "indexer_kv_heads") or 1
+        positions = 3 * 8
+    elif _get(cfg, "index_kpool") is not None:
+        width = 2 * width + 1
+    # Its modeling code, not its config, rotates the DSA layers in fp32, and the indexer caches its keys so.
+    value_bits = 32 if getattr(cfg, "model_type", None) == "dots3_note_text" else 16
+    notes.append(f"sparse-attention indexers: {width} values a token in {value_bits} bits in each of "
+                 f"{_plural(indexed, 'layer')}" + (f", and {positions // 8} int64 positions once" if positions else "")
+                 + ", in every format: kvpass leaves them as the model writes them")  # fmt: skip
+    return indexed * value_bits // 8 * width + positions
 
 
 def _kv_shared_layers(cfg: Any, layers: int) -> list[int]:

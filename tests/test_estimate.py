@@ -552,7 +552,8 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
         assert stored != kv_cache_bytes(name, "kv4", 70, batch=2, k_layer_bits=k_layer_bits)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "dory", "gemma4_text", "inkling_text", "mimo_v2_flash"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "dory", "gemma4_text", "inkling_text", "mimo_v2_flash",
+                                        "deepseek_v32", "hy_v4", "qwen4_exp"])  # fmt: skip
 def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     # As kvpass coverage shrinks them. deepseek_v3: the pass stores its MLA latent and rotary key with V's
     # settings (the estimate had costed K's sinks, offset and query scales: 9,088 B for 8,416). gemma4_text:
@@ -561,6 +562,9 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     # inkling_text: sliding layers of 1 KV head against 2 (swa_num_key_value_heads; it had counted 2).
     # mimo_v2_flash: sliding layers of twice the KV heads, which its modeling code doubles, not its config.
     # dory: each pass of its recurrent loop after the first writes cache layers of its own (1 of the 4 here).
+    # deepseek_v32, hy_v4, qwen4_exp: each DSA layer's indexer caches 16-bit keys, which the estimate had left
+    # out (DeepSeek-V3.2's real config: 3.76x smaller in kv4 for the 2.50x it is); hy_v4's second layer shares
+    # the first's indexer and holds none, and qwen4_exp keeps its indexers' 3 positions a token once.
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -578,7 +582,10 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
         out = step(input_ids=ids, **cache_arg(DynamicCache(config=model.config)), use_cache=True)
     shared = [i for i, kind in enumerate(kv_sizes(config).kinds) if kind == "shared"]
     stored, fp16 = packed_and_fp16_bytes(returned_cache(out), unwritten=shared)
-    assert (stored, fp16) == (kv_cache_bytes(config, "kv4", 70, batch=2), kv_cache_bytes(config, "fp16", 70, batch=2))
+    side = estimate.unquantized_state_bytes(returned_cache(out))
+    assert bool(side) == (model_type in {"deepseek_v32", "hy_v4", "qwen4_exp"})
+    assert (stored + side, fp16 + side) == (kv_cache_bytes(config, "kv4", 70, batch=2),
+                                            kv_cache_bytes(config, "fp16", 70, batch=2))  # fmt: skip
 
 
 def test_layers_that_read_an_earlier_layers_kv_are_costed_nothing():
@@ -637,14 +644,87 @@ def test_deepseek_v4s_estimate_is_its_one_kv_tensor_and_its_compressors_state(pr
     with torch.no_grad():
         step(input_ids=torch.randint(3, 200, (2, prompt)), **cache_arg(cache), use_cache=True)
     assert all(isinstance(layer.keys, PackedKV) and layer.values is layer.keys for layer in cache.layers)
-    state = sum(t.numel() * t.element_size() for layer in cache.layers for name in estimate.DEEPSEEK_V4_STATE
-                for t in getattr(layer, name, {}).values() if t is not None)  # fmt: skip
+    state = estimate.unquantized_state_bytes(cache)
     stored = state + sum(layer.keys.stored_bytes() for layer in cache.layers)
     fp16 = state + sum(layer.keys.numel() * 2 for layer in cache.layers)
     assert (stored, fp16) == (kv_cache_bytes(config, "kv4", prompt, batch=2), kv_cache_bytes(config, "fp16", prompt, batch=2))
     header = estimate.describe(kv_sizes(config))
     assert "DeepSeek-V4: each layer's sliding window holds K and V as one tensor" in header
     assert "V is K's tensor" in header and "query scales" not in header  # read as V too: stored unscaled
+
+
+def _dots3_with_its_own_sliding_sizes():
+    # Dots3's sliding layers have their own heads and MLA ranks (per_layer_config); the coverage matrix's tiny
+    # config gives them the full layers' sizes.
+    from transformers import Dots3NoteTextConfig
+
+    from kvpass.coverage import DOTS3_TEXT, causal_lm, tiny_config
+
+    tiny = {k: v for k, v in tiny_config("dots3_note_text").to_dict().items() if k != "per_layer_config"}
+    own = {"swa_num_attention_heads": 2, "swa_num_key_value_heads": 2, "swa_kv_lora_rank": 64, "swa_head_dim": 40}
+    config = Dots3NoteTextConfig(**{**tiny, **DOTS3_TEXT, **own, "sliding_window": 16})
+    return config, causal_lm(config)
+
+
+def _glm5_next_text_only():
+    # GLM-5-next's DSA layers use no RoPE (qk_rope_head_dim 0) and its indexer packs a pooling gate and a
+    # valid flag beside each key; an image-text model that generate drives on text alone.
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    # Its linear-attention layers left out (minutes to compile on CPU); the second layer shares the first's indexer.
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
+                v_head_dim=32, index_n_heads=2, index_head_dim=32, index_topk=32, n_routed_experts=4,
+                num_experts_per_tok=2, pad_token_id=0, layer_types=["indexed_attention"] * 2,
+                indexer_types=["full", "shared"])  # fmt: skip
+    config = Glm5NextConfig(text_config=text)
+    return config, Glm5NextForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("make_model", [_dots3_with_its_own_sliding_sizes, _glm5_next_text_only])
+def test_estimate_reads_per_layer_mla_sizes_and_each_indexers_keys(make_model):
+    # The estimate raised for both: Dots3's global head count and MLA rank are per-layer attributes
+    # (transformers' AmbiguousGlobalPerLayerAttributeError, a traceback from kvpass estimate), GLM-5-next's
+    # rotary key dim is 0 ("qk_rope_head_dim must be a positive int"). Dots3 rotates its DSA layers in fp32,
+    # so its indexer caches fp32 keys from a bf16 model.
+    import torch
+    from transformers import DynamicCache
+
+    import kvpass
+    from tests.helpers import packed_and_fp16_bytes
+
+    config, model = make_model()
+    model = model.to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=kvpass.kv4())
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        step(input_ids=torch.randint(3, 200, (2, 70)), **cache_arg(cache), use_cache=True)
+    stored, fp16 = packed_and_fp16_bytes(cache)
+    side = estimate.unquantized_state_bytes(cache)
+    assert side > 0
+    assert (stored + side, fp16 + side) == (kv_cache_bytes(config, "kv4", 70, batch=2),
+                                            kv_cache_bytes(config, "fp16", 70, batch=2))  # fmt: skip
+
+
+def test_real_dsa_configs_cost_their_indexers_and_name_each_unknown_layer_type_once():
+    import types
+
+    from transformers import DeepseekV32Config, Dots3NoteConfig
+
+    # DeepSeek-V3.2: 61 layers of a 512 + 64 latent and a 128-value indexer key, all 16-bit in fp16.
+    sizes = kv_sizes(DeepseekV32Config())
+    assert kv_bytes_per_token(sizes, "fp16") == 61 * 2 * (512 + 64 + 128)
+    assert "sparse-attention indexers: 128 values a token in 16 bits in each of 61 layers" in sizes.notes[1]
+    # Dots3: 13 DSA layers of a 512 + 64 latent and 33 sliding ones of 1024 + 64, each DSA layer's indexer fp32.
+    sizes = kv_sizes(Dots3NoteConfig())
+    assert (sizes.shape("full"), sizes.shape("sliding"), sizes.sliding_layers) == ((1, 512, 64), (1, 1024, 64), 33)
+    assert kv_bytes_per_token(sizes, "fp16") == 13 * 2 * (512 + 64) + 33 * 2 * (1024 + 64) + 13 * 4 * 128
+    plain = types.SimpleNamespace(num_hidden_layers=3, num_attention_heads=2, hidden_size=64,
+                                  layer_types=["lightning_attention", "full_attention", "lightning_attention"])  # fmt: skip
+    assert [note for note in estimate.sizes_from_config(plain).notes if "unknown" in note] == [
+        "unknown layer types counted as full attention: 'lightning_attention' (2 layers)"
+    ]
 
 
 def test_k_layer_bits_are_refused_for_an_mla_latent():
