@@ -115,13 +115,14 @@ def rewrite_then(inner_compiler, config: KVConfig):
 
 
 def _warn_fp16_sites(name: str, sites: list[passes.SiteReport]) -> bool:
-    """Warn, once a backend, that a graph's caches stay fp16 (INFO gives each site's reason, which a user
-    who compiled for int4 caches would otherwise never see). Whether it warned."""
+    """Warn, once a backend, that a graph leaves attention sites fp16 (INFO gives each site's reason, which a
+    user who compiled for int4 caches would otherwise never see; the reason says whether the cache stays fp16
+    too, as it does unless another graph stored it). Whether it warned."""
     left = [site for site in sites if site.left_fp16]
     if not left:
         return False
     first = left[0]
-    log.warning("kvpass: %s keeps the caches of %d of its %d attention sites fp16; site %d (%s): %s. Each site's "
+    log.warning("kvpass: %s leaves %d of its %d attention sites fp16; site %d (%s): %s. Each site's "
                 "reason is logged at INFO (logging.getLogger('kvpass')), and the backend's .graphs hold them; "
                 "this warning is not repeated for later graphs", name, len(left), sum(s.reads_cache for s in sites),
                 first.index, first.module, first.reason)  # fmt: skip

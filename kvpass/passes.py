@@ -450,7 +450,8 @@ def _static_cache_write(buffer: fx.Node, chain: list[fx.Node], role: str) -> _Ca
         # output_attentions=True is one such break); the earlier graph stored the cache as it came.
         raise NoMatch(
             f"{role} does not come from a cache write: it is {buffer.name}, an fp tensor this graph takes in and "
-            f"writes nothing into (a cache updated outside this graph, across a graph break say, stays fp16)"
+            f"writes nothing into (a cache updated outside this graph, across a graph break say, stays fp16, "
+            f"unless that graph expands K and V from it there as an MLA latent, which it stores int4)"
         )
     if len(writes) != 1:
         raise NoMatch(f"{role} does not come from a cache write: it is {buffer.name}, not written here")

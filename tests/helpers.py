@@ -32,6 +32,22 @@ def kv_heavy_llama(layers=2, head_dim=64, dtype=torch.float32, seed=0, kv_heads=
     return model.eval()
 
 
+def glm5_next_dsa():
+    """A tiny GLM-5-next (an image-text model that generate drives on text alone) of two DSA layers: MLA
+    without RoPE, the first layer's indexer shared by the second. Its linear-attention layers are left out
+    (minutes to compile on CPU)."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
+                v_head_dim=32, index_n_heads=2, index_head_dim=32, index_topk=32, n_routed_experts=4,
+                num_experts_per_tok=2, pad_token_id=0, layer_types=["indexed_attention"] * 2,
+                indexer_types=["full", "shared"])  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text)).eval()
+
+
 def sliding_mistral(window=100):
     """A one-layer Mistral whose sliding window keeps ``window - 1`` past tokens, heads of 64 channels
     (wide enough for every extra of K's spec)."""

@@ -310,6 +310,25 @@ def test_a_graph_break_between_cache_write_and_attention_leaves_both_fp16_and_sa
 
 
 @torch.no_grad()
+def test_an_mla_latent_expanded_before_a_graph_break_is_int4_and_its_attention_says_it_may_be(caplog):
+    """GLM-5-next's indexer breaks the graph of each layer that runs it, between the latent's write and
+    the attention: the write's graph stores the latent int4 and expands K and V from it, the attention's
+    graph takes them in. Its site had said the cache stays fp16 (a WARNING, "keeps the caches ... fp16")."""
+    from tests.helpers import glm5_next_dsa
+
+    torch._dynamo.reset()
+    model, backend = glm5_next_dsa(), kvpass.kv4()
+    cache = DynamicCache(config=model.config)
+    with caplog.at_level(logging.INFO, logger="kvpass"):
+        torch.compile(model, backend=backend)(input_ids=torch.randint(3, 200, (1, 70)), **cache_arg(cache), use_cache=True)
+    assert all(isinstance(layer.keys, PackedKV) for layer in cache.layers)
+    left = [site for graph in backend.graphs for site in graph.sites if site.left_fp16]
+    assert len(left) == 1 and "unless that graph expands K and V from it there as an MLA latent" in left[0].reason
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert re.match(r"kvpass: graph_\d+ leaves 1 of its 1 attention sites fp16; site 0 \(\?\): K does not come", warning)
+
+
+@torch.no_grad()
 def test_a_model_under_autocast_generates_with_int4_caches():
     """CPU autocast in bf16 around a kv4 model: the caches are int4 and no step reads them dequantized (a
     first append under autocast raised; tests/test_packed.py checks that autocast changes none of kv4's numbers)."""

@@ -668,17 +668,11 @@ def _dots3_with_its_own_sliding_sizes():
 
 def _glm5_next_text_only():
     # GLM-5-next's DSA layers use no RoPE (qk_rope_head_dim 0) and its indexer packs a pooling gate and a
-    # valid flag beside each key; an image-text model that generate drives on text alone.
-    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+    # valid flag beside each key.
+    from tests.helpers import glm5_next_dsa
 
-    # Its linear-attention layers left out (minutes to compile on CPU); the second layer shares the first's indexer.
-    text = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
-                v_head_dim=32, index_n_heads=2, index_head_dim=32, index_topk=32, n_routed_experts=4,
-                num_experts_per_tok=2, pad_token_id=0, layer_types=["indexed_attention"] * 2,
-                indexer_types=["full", "shared"])  # fmt: skip
-    config = Glm5NextConfig(text_config=text)
-    return config, Glm5NextForConditionalGeneration(config)
+    model = glm5_next_dsa()
+    return model.config, model
 
 
 @pytest.mark.parametrize("make_model", [_dots3_with_its_own_sliding_sizes, _glm5_next_text_only])

@@ -295,7 +295,7 @@ def test_static_cache_allocated_before_compilation_stays_fp_and_says_how_to_get_
     assert all("kvpass.StaticKVCache" in site.reason for site in sites)
     assert not isinstance(cache.layers[0].keys, PackedKV)
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert re.match(r"kvpass: graph_\d+ keeps the caches of 2 of its 2 attention sites fp16; site 0 "
+    assert re.match(r"kvpass: graph_\d+ leaves 2 of its 2 attention sites fp16; site 0 "
                     r"\(model.layers.0.self_attn\): .*kvpass.StaticKVCache", warning)  # fmt: skip
 
 
