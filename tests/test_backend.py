@@ -320,12 +320,13 @@ def test_an_mla_latent_expanded_before_a_graph_break_is_int4_and_its_attention_s
     model, backend = glm5_next_dsa(), kvpass.kv4()
     cache = DynamicCache(config=model.config)
     with caplog.at_level(logging.INFO, logger="kvpass"):
-        torch.compile(model, backend=backend)(input_ids=torch.randint(3, 200, (1, 70)), **cache_arg(cache), use_cache=True)
+        torch.compile(model, backend=backend)(input_ids=torch.randint(3, 200, (1, 70)), **cache_arg(cache),
+                                              use_cache=True)
     assert all(isinstance(layer.keys, PackedKV) for layer in cache.layers)
     left = [site for graph in backend.graphs for site in graph.sites if site.left_fp16]
     assert len(left) == 1 and "unless that graph expands K and V from it there as an MLA latent" in left[0].reason
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert re.match(r"kvpass: graph_\d+ leaves 1 of its 1 attention sites fp16; site 0 \(\?\): K does not come", warning)
+    assert re.match(r"kvpass: graph_\d+ leaves 1 of its 1 attention sites fp16; site 0 \(\?\): K does not", warning)
 
 
 @torch.no_grad()
