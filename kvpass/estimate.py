@@ -107,7 +107,8 @@ class KVSizes:
     """The shape of a model's KV cache.
 
     ``layers`` counts every layer that holds a KV cache; ``sliding_layers`` of them keep at
-    most ``window - 1`` tokens between steps. ``kinds`` lists every decoder layer's kind,
+    most ``window - 1`` tokens between steps (``window``: one for all, or each sliding layer's in
+    order where they differ, as NeoMME's do). ``kinds`` lists every decoder layer's kind,
     ``"full"``, ``"sliding"``, ``"state"`` (a fixed-size recurrent state) or ``"shared"`` (it reads an
     earlier layer's K/V and holds none), by the index the backend's ``k_layer_bits`` names it with;
     left empty, the full layers come first. ``latent``: the K and V slots hold an MLA model's latent
@@ -125,7 +126,7 @@ class KVSizes:
     k_head_dim: int
     v_head_dim: int
     sliding_layers: int = 0
-    window: int | None = None
+    window: int | tuple[int, ...] | None = None
     name: str = "explicit sizes"
     notes: tuple[str, ...] = ()
     kinds: tuple[str, ...] = ()
@@ -146,8 +147,8 @@ class KVSizes:
                 f"sliding_layers must be an int in [0, layers={self.layers}], "
                 f"got {self.sliding_layers!r}"
             )
-        if self.sliding_layers:
-            _check_positive_int("window", self.window)
+        for window in self._windows():
+            _check_positive_int("window", window)
         full, sliding = self.kinds.count("full"), self.kinds.count("sliding")
         if self.kinds and (full + sliding, sliding) != (self.layers, self.sliding_layers):
             raise ValueError(
@@ -164,11 +165,21 @@ class KVSizes:
         """Every decoder layer's kind (:attr:`kinds`, or the full layers then the sliding ones)."""
         return self.kinds or ("full",) * (self.layers - self.sliding_layers) + ("sliding",) * self.sliding_layers
 
-    def sliding_held(self, context: int) -> int:
-        """Tokens a sliding layer holds after a sequence of ``context``: transformers'
+    def _windows(self) -> tuple:
+        """Each sliding layer's window, in order."""
+        if isinstance(self.window, tuple):
+            if len(self.window) != self.sliding_layers:
+                raise ValueError(f"window lists {len(self.window)} windows for {self.sliding_layers} sliding layers")
+            return self.window
+        return (self.window,) * self.sliding_layers
+
+    def held(self, context: int) -> list[int]:
+        """Tokens each KV layer holds after a sequence of ``context``, in order: transformers'
         ``DynamicSlidingWindowLayer`` keeps the newest ``window - 1`` between steps (the next
         token makes ``window``)."""
-        return min(context, self.window - 1) if self.sliding_layers else 0
+        windows = iter(self._windows())
+        return [context if kind == "full" else min(context, next(windows) - 1)
+                for kind in self.layer_kinds() if kind in _KV_KINDS]  # fmt: skip
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -315,17 +326,18 @@ def kv_cache_bytes(
     _check_positive_int("batch", batch)
     _check_kv4_only(fmt, k_layer_bits, kv4_settings)
     sizes = kv_sizes(source)
-    held = {"full": context, "sliding": sizes.sliding_held(context)}
+    held = sizes.held(context)
     unquantized = batch * (sum(c.bytes(context) for c in sizes.compressors) + context * sizes.indexer_bytes)
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
         kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
-        return unquantized + batch * sum(held[kind] * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
-                                         for kind in kinds)  # fmt: skip
+        return unquantized + batch * sum(tokens * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
+                                         for kind, tokens in zip(kinds, held))  # fmt: skip
     slots = 1 if sizes.one_tensor else 2  # K's alone where K and V are one tensor
     return unquantized + batch * sum(
-        _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, held[kind])
-        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
+        _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, tokens)
+        for (kind, k_spec, v_spec), tokens in zip(_kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings),
+                                                  held)  # fmt: skip
         for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[:slots]
     )
 
@@ -582,11 +594,13 @@ def _kv_heads(cfg: Any, heads: int) -> int:
     return kv_heads
 
 
-def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, ...], int | None]:
-    """(each layer's kind, as :attr:`KVSizes.kinds` spells it; the window) from the config's
-    per-layer types."""
+def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, ...], int | tuple[int, ...] | None]:
+    """(each layer's kind, as :attr:`KVSizes.kinds` spells it; the window, or each sliding layer's) from
+    the config's per-layer types."""
     types = _get(cfg, "layer_types", "layers_block_type")
-    window = _get(cfg, "sliding_window")
+    windows = _global_or_per_layer(cfg, lambda c: _get(c, "sliding_window"))  # NeoMME's differ by layer
+    per_layer_windows = windows if len(windows) > 1 else None
+    window = max(filter(None, windows), default=None)
     if getattr(cfg, "use_sliding_window", True) is False:
         # Qwen2-style configs carry a sliding_window value that is switched off.
         window = None
@@ -643,7 +657,16 @@ def _layer_layout(cfg: Any, layers: int, notes: list[str]) -> tuple[tuple[str, .
         others = " or ".join(([f"keep a fixed-size state that is not counted ({held})"] if held else [])
                              + ([f"hold nothing ({none})"] if none else []))  # fmt: skip
         notes.append(f"hybrid: {full + sliding} of {layers} layers hold a KV cache; the others {others}")
-    if sliding:
+    if sliding and per_layer_windows:
+        by_window = collections.Counter(w for w, kind in zip(per_layer_windows, kinds) if kind == "sliding")
+        window = tuple(w for w, kind in zip(per_layer_windows, kinds) if kind == "sliding")
+        if len(by_window) == 1:
+            window = window[0]
+        else:
+            sizes = ", ".join(f"{w} in {_plural(n, 'layer')}" for w, n in sorted(by_window.items()))
+            notes.append(f"sliding windows {sizes} of {full + sliding} KV layers: each stops growing at its window "
+                         "less one token (the next token's)")  # fmt: skip
+    if sliding and not isinstance(window, tuple):
         notes.append(
             f"sliding window {window} on {sliding} of {full + sliding} KV layers: "
             f"they stop growing at {window - 1} tokens (the window less the next token)"

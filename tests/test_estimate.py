@@ -721,6 +721,21 @@ def test_real_dsa_configs_cost_their_indexers_and_name_each_unknown_layer_type_o
     ]
 
 
+def test_sliding_windows_that_differ_by_layer_are_each_layers_own():
+    # NeoMME's config declares sliding_window per layer (256 and 1024 alternating, none in full layers): reading
+    # it raised transformers' AmbiguousGlobalPerLayerAttributeError, a traceback from kvpass estimate.
+    from transformers import NeoMMEConfig
+
+    sizes = kv_sizes(NeoMMEConfig())
+    assert (sizes.layers, sizes.sliding_layers, sorted(set(sizes.window))) == (17, 14, [256, 1024])
+    per_token = 4 * 64 * 2 * 2  # 4 KV heads of 64 channels, K and V, 16 bits
+    assert kv_cache_bytes(sizes, "fp16", 4096) == per_token * (3 * 4096 + 7 * 255 + 7 * 1023)
+    assert kv_cache_bytes(sizes, "fp16", 200) == per_token * 17 * 200
+    assert "sliding windows 256 in 7 layers, 1024 in 7 layers of 17 KV layers" in sizes.notes[0]
+    with pytest.raises(ValueError, match="window lists 2 windows for 3 sliding layers"):
+        KVSizes(layers=3, kv_heads=1, k_head_dim=64, v_head_dim=64, sliding_layers=3, window=(8, 16))
+
+
 def test_k_layer_bits_are_refused_for_an_mla_latent():
     from kvpass.coverage import tiny_config
 
