@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from kvpass import cpu_steps, graph_ops, ops, packed, reference, text_data
+from kvpass.bench import dynamic_cache
 from kvpass.cache_argument import cache_arg
 from kvpass.models_zoo.real_model import load_model
 
@@ -56,7 +57,7 @@ def timed(module, name: str) -> None:
 @torch.no_grad()
 def step_ms(forward, prompt: torch.Tensor, steps: int) -> tuple[list[float], DynamicCache]:
     """Milliseconds of each of ``steps`` greedy decode steps after ``prompt`` (and 5 untimed ones), and the cache."""
-    cache = DynamicCache()
+    cache = dynamic_cache(forward)
     token = forward(input_ids=prompt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     for _ in range(5):
         token = forward(input_ids=token, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)

@@ -12,11 +12,10 @@ import argparse
 import time
 
 import torch
-from transformers import DynamicCache
 
 from kvpass import cpu_steps
 from kvpass.backend import kv4_backend
-from kvpass.bench import build_model
+from kvpass.bench import build_model, dynamic_cache
 from kvpass.cache_argument import cache_arg
 
 
@@ -48,7 +47,7 @@ def main() -> None:
         return kv4_backend(gm, example_inputs, **options)
 
     forward = torch.compile(model, backend=counting)
-    cache = DynamicCache()
+    cache = dynamic_cache(model)
     token = forward(input_ids=torch.randint(0, model.config.vocab_size, (1, args.prompt)), **cache_arg(cache),
                     use_cache=True).logits[:, -1:].argmax(-1)  # fmt: skip
     total = time.perf_counter()

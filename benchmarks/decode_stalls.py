@@ -16,9 +16,9 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from kvpass import packed, text_data
+from kvpass.bench import dynamic_cache
 from kvpass.cache_argument import cache_arg
 from kvpass.models_zoo.real_model import load_model
 
@@ -47,7 +47,7 @@ def main() -> None:
     model, tokenizer = load_model("smollm2", torch.float32)
     prompt = tokenizer(text_data.load("kjv"), return_tensors="pt").input_ids[:, : args.context]
     forward = torch.compile(model, backend="kv4")
-    cache = DynamicCache()
+    cache = dynamic_cache(model)
     token = forward(input_ids=prompt, **cache_arg(cache), use_cache=True).logits[:, -1:].argmax(-1)
     print(f"prefill of {prompt.shape[1]} tokens: {len(trims)} trims, {1e3 * sum(trims):.0f} ms")
     for _ in range(args.warmup):

@@ -14,10 +14,9 @@ import argparse
 import gc
 
 import torch
-from transformers import DynamicCache
 
 from kvpass import text_data
-from kvpass.bench import memory
+from kvpass.bench import dynamic_cache, memory
 from kvpass.cache_argument import cache_arg
 from kvpass.models_zoo.real_model import load_model
 
@@ -27,11 +26,11 @@ def held_mib(backend: str, tokens: int) -> float:
     ids = tokenizer(text_data.kjv()[: 20 * tokens], return_tensors="pt").input_ids[:, :tokens]
     step = torch.compile(model, backend=backend)
     with torch.no_grad():
-        step(input_ids=ids, **cache_arg(DynamicCache()), use_cache=True)
+        step(input_ids=ids, **cache_arg(dynamic_cache(model)), use_cache=True)
     gc.collect()
     memory.release_free_memory()
     before = memory._status_mib("VmRSS")
-    cache = DynamicCache()
+    cache = dynamic_cache(model)
     out = step(input_ids=ids, **cache_arg(cache), use_cache=True)
     del out
     gc.collect()

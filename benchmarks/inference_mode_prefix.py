@@ -14,9 +14,9 @@ import argparse
 import time
 
 import torch
-from transformers import DynamicCache
 
 from kvpass import cpu_steps, text_data
+from kvpass.bench import dynamic_cache
 from kvpass.cache_argument import cache_arg, returned_cache
 from kvpass.models_zoo.real_model import load_model
 
@@ -34,7 +34,7 @@ def main() -> None:
     prefix, turn = ids[:, : args.prefix], ids[:, args.prefix : args.prefix + 4]
     for call in range(args.calls):
         with torch.inference_mode():
-            cache = returned_cache(model(input_ids=prefix, **cache_arg(DynamicCache()), use_cache=True))
+            cache = returned_cache(model(input_ids=prefix, **cache_arg(dynamic_cache(model)), use_cache=True))
         start = time.perf_counter()
         model.generate(torch.cat([prefix, turn], 1), **cache_arg(cache), max_new_tokens=args.new_tokens,
                        min_new_tokens=args.new_tokens, do_sample=False)  # fmt: skip
