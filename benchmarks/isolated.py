@@ -16,6 +16,8 @@ def last_line(argv: list[str], timeout: float, wanted) -> tuple[str | None, str]
     except subprocess.TimeoutExpired:
         return None, f"over {timeout:g} s"
     lines = [line for line in done.stdout.splitlines() if wanted(line)]
+    if done.returncode < 0:  # killed: SIGKILL is the kernel's out-of-memory killer's
+        return None, f"killed by signal {-done.returncode}" + (" (out of memory?)" if done.returncode == -9 else "")
     if done.returncode or not lines:
         return None, (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
     return lines[-1], ""
