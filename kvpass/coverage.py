@@ -183,7 +183,16 @@ PER_TYPE: dict[str, dict] = {
     "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # must spell out every layer
     "zaya": {"num_experts_per_tok": 1},  # the only value ZAYA supports
-}
+    # Image-text models (benchmarks/image_text_generate.py) split the rotary pairs in 3 M-RoPE sections (time,
+    # height, width) sized for the real head: their modeling code's default, or their config's, which must add
+    # up to the tiny head's.
+    **{model_type: {"text_config": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                         "mrope_section": sections}}}
+       for model_type, sections in {"qwen2_vl": [4, 6, 6], "qwen2_5_vl": [4, 6, 6], "paddleocr_vl": [4, 6, 6],
+                                    "glm4v": [4, 6, 6], "glm46v": [4, 6, 6], "glm_ocr": [4, 6, 6], "glmga": [4, 6, 6],
+                                    "glm4v_moe": [2, 3, 3], "cosmos3_edge": [6, 5, 5], "hy_v4_vl": [3, 3, 2]}.items()},
+    "glm5_next": {"text_config": {"qk_rope_head_dim": 0}},  # its DSA layers must use no RoPE
+}  # fmt: skip
 
 
 def set_head_dim(head_dim: int) -> None:
@@ -214,10 +223,16 @@ def _unmapped_causal_lms() -> dict[str, str]:
 
 def causal_lm(config):
     """An untrained causal LM of ``config``: ``AutoModelForCausalLM``'s, or the class another auto mapping
-    names for its type (:func:`causal_lm_types`)."""
+    names for its type (:func:`causal_lm_types`); for a type with neither, its image-text-to-text model,
+    which generates from text alone (``benchmarks/image_text_generate.py``)."""
     import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )  # fmt: skip
 
     unmapped = _unmapped_causal_lms().get(config.model_type)
+    if unmapped is None and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        unmapped = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
     if unmapped is None:
         return transformers.AutoModelForCausalLM.from_config(config)
     return getattr(transformers, unmapped)._from_config(config)
@@ -494,6 +509,11 @@ def site_status(sites, n_tensors: int, n_packed: int) -> tuple[str, list[str]]:
         return "no site found", [*reasons, "no SDPA or eager attention found in the graphs"]
     if rewritten == len(sites) and n_packed == n_tensors:
         return "rewritten", reasons
+    if n_packed == n_tensors:
+        # Every cache int4, yet sites attend over K/V computed from it: an MLA latent expanded before a graph
+        # break (GLM-5-next's indexer breaks each graph it runs in), or a join with it that is not stored.
+        return "read dequantized", [*reasons, "every cache tensor is int4; the sites left read K/V computed from it "
+                                              "dequantized"]  # fmt: skip
     return ("partly rewritten" if rewritten else "left fp16"), reasons
 
 
@@ -563,8 +583,10 @@ def _fp16_ratio(packed: list) -> float:
 
 
 def _short(err: BaseException) -> str:
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")  # ImportError text starts blank
-    return f"{type(err).__name__}: {first[:200]}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]  # ImportError text starts blank
+    # A strict dataclass's validation error says which validator on its first line, the cause on its last.
+    said = lines[-1] if len(lines) > 1 and lines[0].endswith(":") else lines[0] if lines else ""
+    return f"{type(err).__name__}: {said[:200]}"
 
 
 def _run_isolated(model_type: str, timeout: float, head_dim: int, routes: bool = False,

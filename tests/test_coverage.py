@@ -123,6 +123,14 @@ def test_a_causal_lm_only_another_auto_mapping_names_is_checked_too():
     assert (row["status"], row["sites"]) == ("rewritten", "4/4"), row
 
 
+def test_an_image_text_model_is_checked_on_text_alone_with_m_rope_sections_that_fit_its_tiny_head():
+    # Qwen2.5-VL has no causal-LM class: the check builds its image-text-to-text model, whose M-RoPE sections
+    # (its modeling code's default [16, 24, 24], for 128-channel heads) must add up to the tiny head's pairs.
+    assert "qwen2_5_vl" not in causal_lm_types()
+    row = check_one("qwen2_5_vl")
+    assert (row["status"], row["sites"]) == ("rewritten", "4/4"), row
+
+
 def test_unknown_model_type_is_named():
     with pytest.raises(ValueError, match="unknown model type 'llama9'"):
         tiny_config("llama9")
@@ -193,6 +201,10 @@ def test_status_names_cache_tensors_left_fp16_by_layers_no_kv4_graph_ran():
     ]
     assert site_status([done, refused], 4, 2) == ("partly rewritten", ["K does not come from a cache write"])
     assert site_status([refused], 4, 0) == ("left fp16", ["K does not come from a cache write"])
+    # Every cache int4, but a site attends over K/V a graph before it expanded from an MLA latent (GLM-5-next's
+    # indexer breaks the graph between): not "left fp16", which it had said.
+    status, reasons = site_status([done, refused], 4, 4)
+    assert status == "read dequantized" and reasons[-1].startswith("every cache tensor is int4; the sites left read")
     assert site_status([], 4, 0)[0] == "no site found"
     # An attention over no cache (Inkling2's over its layers' outputs) is no site to rewrite.
     no_cache = SiteReport(2, "model.layers.1.mlp_input", "sdpa", "no cache", False, "reads no KV cache: ...")
