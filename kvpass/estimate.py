@@ -118,7 +118,9 @@ class KVSizes:
     stored once with K's settings (DeepSeek-V4's); ``compressors``: every layer's compressor state, which
     the cache holds in 16 bits in every format (DeepSeek-V4's). ``indexer_bytes``: what one token adds to
     the sparse-attention indexers' caches of all layers (DeepSeek-V3.2's DSA and its kin), which kvpass
-    leaves as the model writes them, in every format. ``notes`` explain how the figures were derived.
+    leaves as the model writes them, in every format. ``empty_v_layers``: layers (by index, as ``kinds``)
+    whose V slot holds nothing, an MLA layer without RoPE caching no rotary key (Mistral Large 4's
+    ``no_rope_layers``). ``notes`` explain how the figures were derived.
     """
 
     layers: int
@@ -135,6 +137,7 @@ class KVSizes:
     one_tensor: bool = False
     compressors: tuple[Compressor, ...] = ()
     indexer_bytes: int = 0
+    empty_v_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for field in ("layers", "kv_heads", "k_head_dim", "v_head_dim"):
@@ -164,6 +167,12 @@ class KVSizes:
     def layer_kinds(self) -> tuple[str, ...]:
         """Every decoder layer's kind (:attr:`kinds`, or the full layers then the sliding ones)."""
         return self.kinds or ("full",) * (self.layers - self.sliding_layers) + ("sliding",) * self.sliding_layers
+
+    def layer_shapes(self) -> list[tuple[int, int, int]]:
+        """``(KV heads, K head dim, V head dim)`` of each KV layer, in order."""
+        return [(heads, k_dim, 0 if i in self.empty_v_layers else v_dim)
+                for i, kind in enumerate(self.layer_kinds()) if kind in _KV_KINDS
+                for heads, k_dim, v_dim in [self.shape(kind)]]  # fmt: skip
 
     def _windows(self) -> tuple:
         """Each sliding layer's window, in order."""
@@ -295,11 +304,11 @@ def kv_bytes_per_token(
     unquantized = sum(2 * c.dim / c.rate for c in sizes.compressors) + sizes.indexer_bytes
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        return unquantized + sum(_layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
-                                 for kind in sizes.layer_kinds() if kind in _KV_KINDS)  # fmt: skip
+        return unquantized + sum(_layer_token_bytes(shape, *bits, sizes.one_tensor) for shape in sizes.layer_shapes())
     return unquantized + sum(
-        _layer_token_bytes(sizes.shape(kind), *_spec_bits(sizes.shape(kind), k_spec, v_spec), sizes.one_tensor)
-        for kind, k_spec, v_spec in _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
+        _layer_token_bytes(shape, *_spec_bits(shape, k_spec, v_spec), sizes.one_tensor)
+        for (_, k_spec, v_spec), shape in zip(_kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings),
+                                              sizes.layer_shapes())  # fmt: skip
     )
 
 
@@ -330,15 +339,14 @@ def kv_cache_bytes(
     unquantized = batch * (sum(c.bytes(context) for c in sizes.compressors) + context * sizes.indexer_bytes)
     if fmt != "kv4":
         bits = element_bits(fmt, sizes)
-        kinds = [kind for kind in sizes.layer_kinds() if kind in _KV_KINDS]
-        return unquantized + batch * sum(tokens * _layer_token_bytes(sizes.shape(kind), *bits, sizes.one_tensor)
-                                         for kind, tokens in zip(kinds, held))  # fmt: skip
+        return unquantized + batch * sum(tokens * _layer_token_bytes(shape, *bits, sizes.one_tensor)
+                                         for shape, tokens in zip(sizes.layer_shapes(), held))  # fmt: skip
     slots = 1 if sizes.one_tensor else 2  # K's alone where K and V are one tensor
+    specs = _kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings)
     return unquantized + batch * sum(
-        _kv4_spec_bytes(spec, sizes.shape(kind)[0], dim, context, tokens)
-        for (kind, k_spec, v_spec), tokens in zip(_kv4_layer_specs(sizes, k_group, v_group, k_layer_bits, kv4_settings),
-                                                  held)  # fmt: skip
-        for spec, dim in list(zip((k_spec, v_spec), sizes.shape(kind)[1:]))[:slots]
+        _kv4_spec_bytes(spec, shape[0], dim, context, tokens)
+        for (_, k_spec, v_spec), shape, tokens in zip(specs, sizes.layer_shapes(), held)
+        for spec, dim in list(zip((k_spec, v_spec), shape[1:]))[:slots]
     )
 
 
@@ -466,7 +474,7 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
     indexer_bytes = _indexer_token_bytes(cfg, notes)
     shapes = _shapes_by_kind(cfg, kinds, _latent_shape if latent else _attention_shape)
     kv_heads, k_dim, v_dim = shapes.get("full", shapes.get("sliding"))
-    sliding_shape, compressors = None, ()
+    sliding_shape, compressors, empty_v = None, (), ()
     if shapes.get("sliding", (kv_heads, k_dim, v_dim)) != (kv_heads, k_dim, v_dim):
         sliding_shape = shapes["sliding"]
         notes.append("sliding layers: {}, K dim {}, V dim {}".format(_plural(sliding_shape[0], "KV head"),
@@ -477,6 +485,11 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         rotary = f"the {v_dim}-dim rotary key (V slot)" if v_dim else "no rotary key (V's slot is empty)"
         notes.insert(0, f"MLA: the cache holds the {k_dim}-dim latent (K slot) and {rotary} once per layer, not per "
                         f"head ({heads} query heads); kv4 stores both with V's settings")  # fmt: skip
+        rotates = _get(cfg, "no_rope_layers")  # 1 where a layer uses RoPE (SmolLM3's convention)
+        if v_dim and rotates:
+            empty_v = tuple(i for i, (kind, rope) in enumerate(zip(kinds, rotates)) if kind in _KV_KINDS and not rope)
+            if empty_v:
+                notes.append(f"MLA layers without RoPE ({index_ranges(list(empty_v))}) cache no rotary key")
     else:
         compressors = _compressors(cfg, k_dim)
         if compressors:
@@ -506,6 +519,7 @@ def sizes_from_config(cfg: Any, name: str | None = None) -> KVSizes:
         one_tensor=bool(compressors),
         compressors=compressors,
         indexer_bytes=indexer_bytes,
+        empty_v_layers=empty_v,
     )
 
 

@@ -553,7 +553,7 @@ def test_kv4_estimate_is_what_a_compiled_zoo_model_stores(name, k_layer_bits, se
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "dory", "gemma4_text", "inkling_text", "mimo_v2_flash",
-                                        "deepseek_v32", "hy_v4", "qwen4_exp"])  # fmt: skip
+                                        "deepseek_v32", "hy_v4", "qwen4_exp", "mistral_large4"])  # fmt: skip
 def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     # As kvpass coverage shrinks them. deepseek_v3: the pass stores its MLA latent and rotary key with V's
     # settings (the estimate had costed K's sinks, offset and query scales: 9,088 B for 8,416). gemma4_text:
@@ -565,15 +565,17 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     # deepseek_v32, hy_v4, qwen4_exp: each DSA layer's indexer caches 16-bit keys, which the estimate had left
     # out (DeepSeek-V3.2's real config: 3.76x smaller in kv4 for the 2.50x it is); hy_v4's second layer shares
     # the first's indexer and holds none, and qwen4_exp keeps its indexers' 3 positions a token once.
+    # mistral_large4 (an image-text model): its second layer uses no RoPE and caches no rotary key, which the
+    # estimate had costed (44,800 fp16 bytes for 40,320).
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     import kvpass
-    from kvpass.coverage import tiny_config
+    from kvpass.coverage import causal_lm, tiny_config
     from tests.helpers import packed_and_fp16_bytes
 
     config = tiny_config(model_type)
-    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model = causal_lm(config).to(torch.bfloat16).eval()
     torch._dynamo.reset()
     step = torch.compile(model, backend=kvpass.kv4())
     ids = torch.randint(3, 200, (2, 70))
@@ -583,7 +585,7 @@ def test_estimate_is_what_a_compiled_coverage_type_stores(model_type):
     shared = [i for i, kind in enumerate(kv_sizes(config).kinds) if kind == "shared"]
     stored, fp16 = packed_and_fp16_bytes(returned_cache(out), unwritten=shared)
     side = estimate.unquantized_state_bytes(returned_cache(out))
-    assert bool(side) == (model_type in {"deepseek_v32", "hy_v4", "qwen4_exp"})
+    assert bool(side) == (model_type in {"deepseek_v32", "hy_v4", "qwen4_exp", "mistral_large4"})
     assert (stored + side, fp16 + side) == (kv_cache_bytes(config, "kv4", 70, batch=2),
                                             kv_cache_bytes(config, "fp16", 70, batch=2))  # fmt: skip
 
