@@ -170,9 +170,12 @@ class KVSizes:
 
     def layer_shapes(self) -> list[tuple[int, int, int]]:
         """``(KV heads, K head dim, V head dim)`` of each KV layer, in order."""
-        return [(heads, k_dim, 0 if i in self.empty_v_layers else v_dim)
-                for i, kind in enumerate(self.layer_kinds()) if kind in _KV_KINDS
-                for heads, k_dim, v_dim in [self.shape(kind)]]  # fmt: skip
+        shapes = []
+        for i, kind in enumerate(self.layer_kinds()):
+            if kind in _KV_KINDS:
+                heads, k_dim, v_dim = self.shape(kind)
+                shapes.append((heads, k_dim, 0 if i in self.empty_v_layers else v_dim))
+        return shapes
 
     def _windows(self) -> tuple:
         """Each sliding layer's window, in order."""
